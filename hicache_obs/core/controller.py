@@ -1,0 +1,864 @@
+"""The cache controllers: :class:`HiCacheController` and :class:`HybridCacheController`.
+
+They move cache state between device pools and pinned host pools through a write
+queue and a load queue, each started on its own side stream, the way SGLang's
+HiCache does (see ``shared/REFERENCE.md``). Every state change is an event
+appended to ``controller.log``; the bookkeeping (``controller.state``) is the fold
+of those events.
+
+Thread-safety: every public method takes the controller's lock, so calls from
+several threads are serialised; events are appended under the log's lock with
+gap-free ``seq``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import (
+    ConfigError,
+    ControllerClosedError,
+    HiCacheError,
+    InvalidIndicesError,
+    LengthMismatchError,
+    PageSizeError,
+    SlotNotAllocatedError,
+    UnknownBackendError,
+    UnknownLayoutError,
+    UnknownPoolError,
+    UnresolvedTransferError,
+)
+from ..events.log import EventLog
+from ..events.schema import (
+    D2H,
+    H2D,
+    IndicesMoved,
+    OperationQueued,
+    OperationsMerged,
+    PoolCreated,
+    StreamRecorded,
+    TensorRef,
+    TransferSubmitted,
+    runs_from_list,
+)
+from ..events.state import CacheState
+from .layers import LayerDoneCounter
+from .operations import CacheOperation, PoolTransfer, merge_ops
+from .policy import WritePolicy
+from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
+from .runtime import DeviceEvent, Runtime, make_runtime
+from .spec import ModelSpec
+from .transfer import IO_BACKENDS, check_kernel_indices, launch_backup, launch_load_layer, pair_runs
+
+__all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR"]
+
+ANCHOR = "kv"
+_log = logging.getLogger("hicache_obs.controller")
+
+
+@dataclass(frozen=True)
+class Ack:
+    """A reaped operation: what :meth:`HiCacheController.poll_writes`/``poll_loads`` return."""
+
+    op_id: int
+    direction: str
+    node_ids: tuple[int, ...]
+    ok: bool
+    error: str | None
+    duration_ns: int | None
+    layer_durations_ns: tuple[int, ...] | None
+    slots_by_pool: tuple[tuple[str, int], ...]
+    bytes_by_pool: tuple[tuple[str, int], ...]
+    producer_id: int = -1
+
+
+@dataclass
+class _PendingAck:
+    op_id: int
+    direction: str
+    node_ids: tuple[int, ...]
+    start: DeviceEvent
+    finish: DeviceEvent
+    layer_events: list[DeviceEvent] | None
+    slots_by_pool: tuple[tuple[str, int], ...]
+    bytes_by_pool: tuple[tuple[str, int], ...]
+    producer_id: int
+    error: str | None = None
+
+
+class HiCacheController:
+    """Device <-> host cache controller for a plain (KV-only) model.
+
+    ``write(device_indices)`` allocates host slots, queues and starts the backup;
+    ``load(host_indices)`` allocates device slots and queues; ``start_loading()``
+    submits the queued loads layer by layer. ``poll_writes()``/``poll_loads()``
+    reap finished operations in FIFO order.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        runtime: str | Runtime = "sim",
+        device_size: int = 4096,
+        host_ratio: float = 2.0,
+        host_bytes: int | None = None,
+        pool_sizes: dict[str, int] | None = None,
+        layout: str = "layer_first",
+        io_backend: str = "kernel",
+        write_policy: str | WritePolicy = "write_through",
+        write_through_threshold: int = 2,
+        log: EventLog | None = None,
+        rank: int = 0,
+        enable_timing: bool = True,
+    ) -> None:
+        if io_backend not in IO_BACKENDS:
+            raise UnknownBackendError(f"unknown io backend {io_backend!r}; expected one of {', '.join(IO_BACKENDS)}")
+        if layout not in LAYOUTS:
+            raise UnknownLayoutError(f"unknown host layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+        if io_backend == "kernel" and layout == "page_first_direct":
+            raise UnknownLayoutError("host layout 'page_first_direct' needs io backend 'direct', got 'kernel'")
+        if type(self) is HiCacheController and spec.is_hybrid:
+            raise ConfigError(
+                f"model {spec.name!r} is hybrid (pools {', '.join(spec.pool_names)}); use HybridCacheController"
+            )
+        if device_size <= 0 or device_size % spec.page_size:
+            raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
+        if host_bytes is None and host_ratio <= 0:
+            raise ConfigError(f"host_ratio must be > 0, got {host_ratio}")
+        if host_bytes is not None and host_bytes <= 0:
+            raise ConfigError(f"host_bytes must be > 0, got {host_bytes}")
+        self.spec = spec
+        self.runtime: Runtime = make_runtime(runtime)
+        self.io_backend = io_backend
+        self.layout = layout
+        self.write_policy = (
+            write_policy
+            if isinstance(write_policy, WritePolicy)
+            else WritePolicy(write_policy, write_through_threshold)
+        )
+        self._owns_log = log is None
+        self.log = log if log is not None else EventLog(rank=rank)
+        self.rank = self.log.rank
+        self.state = CacheState()
+        self._unsubscribe_state = self.log.subscribe(self.state.apply, first=True)
+        self.enable_timing = enable_timing
+        self._lock = threading.RLock()
+        self._closed = False
+        self._next_id = 0
+        self._ops: dict[int, CacheOperation] = {}
+        self._acks: dict[str, deque[_PendingAck]] = {D2H: deque(), H2D: deque()}
+
+        sizes = self._device_sizes(device_size, pool_sizes or {})
+        ratio = host_ratio
+        if host_bytes is not None:
+            total = sum(sizes[p] * spec.slot_bytes(p) for p in spec.pool_names)
+            ratio = host_bytes / total
+        self.device_pools: dict[str, DevicePool] = {}
+        self.host_pools: dict[str, HostPool] = {}
+        for name in spec.pool_names:
+            ps = 1 if name == "mamba" else spec.page_size
+            dev = DevicePool(name, spec, sizes[name], ps, self.runtime)
+            host_layout = "page_first" if layout == "page_first_direct" else layout
+            hsize = host_size(sizes[name], 1 if name == "mamba" else spec.page_size, ratio=ratio)
+            host = HostPool(name, spec, hsize, ps, host_layout, self.runtime)
+            for pool, tier, cap, sb, lay in (
+                (dev, "device", dev.size, dev.slot_bytes, "layer_first"),
+                (host, "host", host.size, host.slot_bytes, layout),
+            ):
+                self.log.emit(
+                    PoolCreated, pool=name, tier=tier, capacity=cap, page_size=ps, slot_bytes=sb, layout=lay
+                )
+                pool.allocator = SlotAllocator(name, tier, self.state.table(name, tier), self.log.emit, self.runtime)
+            self.device_pools[name] = dev
+            self.host_pools[name] = host
+
+        self.write_stream = self.runtime.stream("hicache-write")
+        self.load_stream = self.runtime.stream("hicache-load")
+        self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)
+
+    def _device_sizes(self, device_size: int, pool_sizes: dict[str, int]) -> dict[str, int]:
+        spec = self.spec
+        unknown = set(pool_sizes) - set(spec.pool_names)
+        if unknown:
+            raise UnknownPoolError(
+                f"pool_sizes names pools {sorted(unknown)} that model {spec.name!r} lacks; pools: {spec.pool_names}"
+            )
+        sizes = {"kv": device_size}
+        if "mamba" in spec.pool_names:
+            sizes["mamba"] = max(8, device_size // spec.page_size)
+        if "swa" in spec.pool_names:
+            sizes["swa"] = device_size
+        sizes.update(pool_sizes)
+        for name, n in sizes.items():
+            ps = 1 if name == "mamba" else spec.page_size
+            if n <= 0 or n % ps:
+                raise ConfigError(f"device size of pool {name!r} must be a positive multiple of {ps}, got {n}")
+        return sizes
+
+    # ---------------------------------------------------------------- helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ControllerClosedError("the controller is closed; create a new one")
+
+    def _new_id(self) -> int:
+        i = self._next_id
+        self._next_id += 1
+        return i
+
+    def _pool(self, pool: str, tier: str) -> DevicePool | HostPool:
+        pools: dict[str, Any] = self.device_pools if tier == "device" else self.host_pools
+        try:
+            return pools[pool]  # type: ignore[no-any-return]
+        except KeyError:
+            raise UnknownPoolError(
+                f"unknown pool {pool!r}; model {self.spec.name!r} has pools {', '.join(self.spec.pool_names)}"
+            ) from None
+
+    def _alloc(self, pool: str, tier: str) -> SlotAllocator:
+        a = self._pool(pool, tier).allocator
+        assert a is not None
+        return a
+
+    def _ref(self, t: torch.Tensor, pool: str, role: str, known: list[int] | None = None) -> TensorRef:
+        dev = self.runtime.tensor_device(t)
+        values = known
+        if values is None and dev == "cpu":
+            values = t.tolist()
+        return TensorRef(
+            pool=pool,
+            role=role,
+            device=dev,
+            numel=t.numel(),
+            dtype=str(t.dtype).removeprefix("torch."),
+            ptr=t.data_ptr() if t.numel() else 0,
+            indices=(runs_from_list(values) if values else None) if values is not None else None,
+        )
+
+    def _validate(
+        self,
+        t: object,
+        *,
+        arg: str,
+        pool: str,
+        tier: str,
+        allow_empty: bool = False,
+        must_be_allocated: bool = True,
+    ) -> list[int] | None:
+        """Check an index tensor; returns its values when they can be read without a sync."""
+        if not isinstance(t, torch.Tensor):
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int64:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be int64, got {t.dtype}")
+        if t.dim() != 1:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be 1-D, got shape {tuple(t.shape)}")
+        rt = self.runtime
+        on_dev = rt.is_device(t)
+        if tier == "host" and on_dev:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a cpu tensor, got one on {rt.tensor_device(t)}")
+        if tier == "device" and rt.has_device and not on_dev:
+            raise InvalidIndicesError(
+                f"{arg} for pool {pool!r} must be on device {rt.device}, got one on {rt.tensor_device(t)}"
+            )
+        n = t.numel()
+        if n == 0 and not allow_empty:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} is empty")
+        alloc = self._alloc(pool, tier)
+        if n % alloc.page_size:
+            raise PageSizeError(
+                f"{arg} for pool {pool!r} ({tier}) has {n} entries, not a multiple of page size {alloc.page_size}"
+            )
+        if not rt.values_readable(t):
+            return None
+        values: list[int] = rt.to_host(t).tolist()
+        cap = alloc.capacity
+        out = [v for v in values if not 0 <= v < cap]
+        if out:
+            raise SlotNotAllocatedError(f"{arg} for pool {pool!r} ({tier}): slots {out[:8]} out of range 0..{cap - 1}")
+        if len(set(values)) != n:
+            seen: set[int] = set()
+            dup = [v for v in values if v in seen or seen.add(v)]  # type: ignore[func-returns-value]
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} has duplicate slots {sorted(set(dup))[:8]}")
+        if must_be_allocated:
+            alloc.check_allocated(values, arg)
+        return values
+
+    def _alloc_many(self, requests: list[tuple[str, str, int]], op: int) -> list[torch.Tensor] | None:
+        """Allocate several pools at once; on any failure roll back what was taken."""
+        got: list[tuple[SlotAllocator, torch.Tensor]] = []
+        for pool, tier, n in requests:
+            a = self._alloc(pool, tier)
+            t = a.alloc(n, op=op)
+            if t is None:
+                for a2, t2 in reversed(got):
+                    a2.free(t2.tolist(), reason="rollback", op=op)
+                return None
+            got.append((a, t))
+        return [t for _, t in got]
+
+    # ------------------------------------------------------------- public API
+    def alloc_device(self, n: int, pool: str = ANCHOR) -> torch.Tensor | None:
+        """Allocate ``n`` device slots of ``pool`` for the engine's own use (prefill)."""
+        with self._lock:
+            self._check_open()
+            t = self._alloc(pool, "device").alloc(n)
+            return None if t is None else self.runtime.to_device(t)
+
+    def free_device(self, device_indices: torch.Tensor, pool: str = ANCHOR, *, reason: str = "free") -> int:
+        """Free device slots (eviction of a node from the device). Returns the count."""
+        with self._lock:
+            self._check_open()
+            values = self._validate(device_indices, arg="device_indices", pool=pool, tier="device", allow_empty=True)
+            if values is None:
+                values = self.runtime.to_host(device_indices).tolist()
+            return self._alloc(pool, "device").free(values, reason=reason, arg="device_indices")
+
+    def evict_device(self, device_indices: torch.Tensor, pool: str = ANCHOR) -> int:
+        """Free device slots of an evicted node (its host copy, if any, stays)."""
+        return self.free_device(device_indices, pool, reason="evict")
+
+    def evict_host(self, host_indices: torch.Tensor, pool: str = ANCHOR) -> int:
+        """Free host slots of nodes no longer kept on the host. Returns the count."""
+        with self._lock:
+            self._check_open()
+            values = self._validate(host_indices, arg="host_indices", pool=pool, tier="host", allow_empty=True)
+            assert values is not None
+            return self._alloc(pool, "host").free(values, reason="evict", arg="host_indices")
+
+    def write(self, device_indices: torch.Tensor, priority: int | None = None, node_id: int = -1) -> torch.Tensor | None:
+        """Back up device slots: allocate host slots, queue, start. Host indices or None."""
+        res = self._write(device_indices, priority, node_id, None)
+        return None if res is None else res[0]
+
+    def load(self, host_indices: torch.Tensor, priority: int | None = None, node_id: int = -1) -> torch.Tensor | None:
+        """Queue a load of host slots into newly allocated device slots. Device indices or None."""
+        res = self._load(host_indices, priority, node_id, None)
+        return None if res is None else res[0]
+
+    # ------------------------------------------------------------ write / load
+    def _check_transfers(
+        self, pool_transfers: Sequence[PoolTransfer] | None, direction: str
+    ) -> tuple[PoolTransfer, ...] | None:
+        if pool_transfers is None:
+            return None
+        if not isinstance(pool_transfers, (list, tuple)):
+            raise InvalidIndicesError(
+                f"pool_transfers must be a list or tuple of PoolTransfer or None, got {type(pool_transfers).__name__}"
+            )
+        out = []
+        for t in pool_transfers:
+            if not isinstance(t, PoolTransfer):
+                raise InvalidIndicesError(f"pool_transfers entries must be PoolTransfer, got {type(t).__name__}")
+            if t.pool not in self.spec.pool_names or t.pool == ANCHOR:
+                raise UnknownPoolError(
+                    f"pool transfer names pool {t.pool!r}; sidecar pools of model {self.spec.name!r}: "
+                    f"{', '.join(p for p in self.spec.pool_names if p != ANCHOR) or 'none'}"
+                )
+            if t.indices_from_pool is not None:
+                if t.indices_from_pool not in self.spec.pool_names or t.indices_from_pool == t.pool:
+                    raise UnknownPoolError(
+                        f"pool transfer {t.pool!r}: indices_from_pool {t.indices_from_pool!r} is not another pool"
+                    )
+                if t.host_indices is not None or t.device_indices is not None:
+                    raise InvalidIndicesError(
+                        f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}'s indices and must not carry its own"
+                    )
+                src_ps = 1 if t.indices_from_pool == "mamba" else self.spec.page_size
+                dst_ps = 1 if t.pool == "mamba" else self.spec.page_size
+                if src_ps % dst_ps:
+                    raise PageSizeError(
+                        f"pool transfer {t.pool!r} (page size {dst_ps}) cannot reuse indices of pool "
+                        f"{t.indices_from_pool!r} (page size {src_ps})"
+                    )
+                out.append(t)
+                continue
+            src = t.device_indices if direction == D2H else t.host_indices
+            if src is None:
+                side = "device_indices" if direction == D2H else "host_indices"
+                raise UnresolvedTransferError(
+                    f"pool transfer {t.pool!r}: {side} is None; a {'write' if direction == D2H else 'load'} "
+                    f"needs the {side} resolved before it is queued"
+                )
+            out.append(t)
+        if len({(t.pool, t.indices_from_pool) for t in out}) != len(out):
+            raise InvalidIndicesError("pool_transfers names the same pool twice")
+        return tuple(out)
+
+    def _write(
+        self,
+        device_indices: torch.Tensor,
+        priority: int | None,
+        node_id: int,
+        pool_transfers: Sequence[PoolTransfer] | None,
+    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
+        with self._lock:
+            self._check_open()
+            transfers = self._check_transfers(pool_transfers, D2H)
+            empty_ok = bool(transfers)
+            self._validate(device_indices, arg="device_indices", pool=ANCHOR, tier="device", allow_empty=empty_ok)
+            for t in transfers or ():
+                if t.indices_from_pool is None:
+                    assert t.device_indices is not None
+                    self._validate(t.device_indices, arg="device_indices", pool=t.pool, tier="device")
+                    if t.host_indices is not None:
+                        raise InvalidIndicesError(
+                            f"pool transfer {t.pool!r}: host_indices must be None for a write (the controller allocates them)"
+                        )
+            op_id = self._new_id()
+            reqs = [(ANCHOR, "host", device_indices.numel())]
+            reqs += [(t.pool, "host", t.device_indices.numel()) for t in transfers or () if t.indices_from_pool is None]  # type: ignore[union-attr]
+            allocated = self._alloc_many(reqs, op_id)
+            if allocated is None:
+                return None
+            host = allocated[0]
+            resolved = self._resolve_allocated(transfers, allocated[1:], "host")
+            op = CacheOperation(
+                host_indices=host,
+                device_indices=device_indices,
+                node_ids=(node_id,),
+                priority=priority,
+                id=op_id,
+                pool_transfers=resolved,
+            )
+            self._queue(op, D2H)
+            self.start_writing()
+            return host, resolved
+
+    def _load(
+        self,
+        host_indices: torch.Tensor,
+        priority: int | None,
+        node_id: int,
+        pool_transfers: Sequence[PoolTransfer] | None,
+    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
+        with self._lock:
+            self._check_open()
+            transfers = self._check_transfers(pool_transfers, H2D)
+            empty_ok = bool(transfers)
+            self._validate(host_indices, arg="host_indices", pool=ANCHOR, tier="host", allow_empty=empty_ok)
+            for t in transfers or ():
+                if t.indices_from_pool is None:
+                    assert t.host_indices is not None
+                    self._validate(t.host_indices, arg="host_indices", pool=t.pool, tier="host")
+                    if t.device_indices is not None:
+                        raise InvalidIndicesError(
+                            f"pool transfer {t.pool!r}: device_indices must be None for a load (the controller allocates them)"
+                        )
+            op_id = self._new_id()
+            reqs = [(ANCHOR, "device", host_indices.numel())]
+            reqs += [(t.pool, "device", t.host_indices.numel()) for t in transfers or () if t.indices_from_pool is None]  # type: ignore[union-attr]
+            allocated = self._alloc_many(reqs, op_id)
+            if allocated is None:
+                return None
+            to_dev = self.runtime.to_device
+            device = to_dev(allocated[0])
+            resolved = self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device")
+            op = CacheOperation(
+                host_indices=host_indices,
+                device_indices=device,
+                node_ids=(node_id,),
+                priority=priority,
+                id=op_id,
+                pool_transfers=resolved,
+            )
+            self._queue(op, H2D)
+            return device, resolved
+
+    @staticmethod
+    def _resolve_allocated(
+        transfers: tuple[PoolTransfer, ...] | None, allocated: list[torch.Tensor], side: str
+    ) -> tuple[PoolTransfer, ...] | None:
+        if transfers is None:
+            return None
+        it = iter(allocated)
+        out = []
+        for t in transfers:
+            if t.indices_from_pool is not None:
+                out.append(t)
+            elif side == "host":
+                out.append(t.with_indices(next(it), t.device_indices))
+            else:
+                out.append(t.with_indices(t.host_indices, next(it)))
+        return tuple(out)
+
+    def _slots_by_pool(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
+        slots = {ANCHOR: op.host_indices.numel()}
+        for t in op.pool_transfers or ():
+            if t.indices_from_pool is not None:
+                n = slots.get(t.indices_from_pool, 0)
+            else:
+                idx = t.host_indices if t.host_indices is not None else t.device_indices
+                n = idx.numel() if idx is not None else 0
+            slots[t.pool] = slots.get(t.pool, 0) + n
+        return tuple(slots.items())
+
+    def _queue(self, op: CacheOperation, direction: str) -> None:
+        self._ops[op.id] = op
+        self.log.emit(
+            OperationQueued,
+            op=op.id,
+            direction=direction,
+            node_id=op.node_ids[0] if op.node_ids else -1,
+            priority=int(op.priority if op.priority is not None else op.id),
+            slots_by_pool=self._slots_by_pool(op),
+        )
+
+    def _take_queue(self, direction: str) -> CacheOperation | None:
+        ids = list(self.state.queues[direction])
+        if not ids:
+            return None
+        ops = [self._ops.pop(i) for i in ids]
+        merged = merge_ops(ops, new_id=self._new_id() if len(ops) > 1 else None)
+        self.log.emit(
+            OperationsMerged, op=merged.id, merged_ops=tuple(ids), direction=direction, node_ids=tuple(merged.node_ids)
+        )
+        return merged
+
+    # ------------------------------------------------------------ index moves
+    def move_indices(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, *, op: int = -1, pool: str = ANCHOR
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalise an index pair for the io backend; returns new tensors, emits ``IndicesMoved``.
+
+        ``kernel``: host indices are copied to the device (non-blocking).
+        ``direct`` + ``layer_first``: device indices to the CPU; host indices sorted and
+        device indices permuted alike (pairs stay together).
+        ``direct`` + ``page_first``/``page_first_direct``: device indices to the CPU.
+        """
+        rt = self.runtime
+        if host_indices.numel() != device_indices.numel():
+            raise LengthMismatchError(
+                f"pool {pool!r}: host indices have {host_indices.numel()} entries, "
+                f"device indices {device_indices.numel()}"
+            )
+        if self.io_backend == "kernel":
+            if rt.has_device and not rt.is_device(host_indices):
+                known = host_indices.tolist()
+                moved = rt.to_device(host_indices, non_blocking=True)
+                self._moved(op, pool, "host", host_indices, moved, known)
+                host_indices = moved
+            return host_indices, device_indices
+        if self.io_backend == "direct":
+            if rt.is_device(device_indices):
+                moved = rt.to_host(device_indices)
+                self._moved(op, pool, "device", device_indices, moved, None)
+                device_indices = moved
+            if self.layout == "layer_first":
+                order = torch.argsort(host_indices, stable=True)
+                host_indices = host_indices[order]
+                device_indices = device_indices[order]
+            elif self.layout not in ("page_first", "page_first_direct"):
+                raise UnknownLayoutError(f"io backend 'direct' does not support host layout {self.layout!r}")
+            return host_indices, device_indices
+        raise UnknownBackendError(f"unknown io backend {self.io_backend!r}")
+
+    def _moved(
+        self, op: int, pool: str, role: str, src: torch.Tensor, dst: torch.Tensor, known: list[int] | None
+    ) -> None:
+        self.log.emit(
+            IndicesMoved,
+            op=op,
+            pool=pool,
+            role=role,
+            src_device=self.runtime.tensor_device(src),
+            dst_device=self.runtime.tensor_device(dst),
+            tensor=self._ref(dst, pool, role, known),
+        )
+
+    def _move_op(self, op: CacheOperation) -> CacheOperation:
+        host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
+        return op.replace(host_indices=host, device_indices=device)
+
+    def _record_transfer_indices_on_stream(
+        self,
+        stream: Any,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        pool_transfers: tuple[PoolTransfer, ...] | None,
+        *,
+        op: int = -1,
+    ) -> None:
+        """Record every device index tensor of the anchor and of every pool on ``stream``."""
+        self._record_pair(stream, ANCHOR, host_indices, device_indices, op)
+        for t in pool_transfers or ():
+            if t.host_indices is not None and t.device_indices is not None:
+                self._record_pair(stream, t.pool, t.host_indices, t.device_indices, op)
+
+    def _record_pair(self, stream: Any, pool: str, host: torch.Tensor, device: torch.Tensor, op: int) -> None:
+        rt = self.runtime
+        for role, t in (("host", host), ("device", device)):
+            if rt.is_device(t):
+                rt.record_stream(t, stream)
+                self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=self._ref(t, pool, role))
+
+    # ----------------------------------------------------------- submission
+    def _pairs(self, op: CacheOperation) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        pairs = [(ANCHOR, op.host_indices, op.device_indices)]
+        for t in op.pool_transfers or ():
+            if t.host_indices is None or t.device_indices is None:
+                raise UnresolvedTransferError(
+                    f"pool transfer {t.pool!r} of op {op.id} reached submission with "
+                    f"{'host' if t.host_indices is None else 'device'}_indices None"
+                )
+            pairs.append((t.pool, t.host_indices, t.device_indices))
+        return pairs
+
+    def _runs_for(self, host: torch.Tensor, device: torch.Tensor) -> Any:
+        rt = self.runtime
+        if rt.is_device(host) or rt.is_device(device):
+            return None
+        n = host.numel()
+        runs = pair_runs(host.tolist(), device.tolist())
+        if self.io_backend == "direct" or len(runs) * 4 <= n:
+            return runs
+        return None
+
+    def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> _PendingAck:
+        rt = self.runtime
+        pairs = self._pairs(op)
+        slots = self._slots_by_pool(op)
+        bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
+        aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
+        refs = []
+        for pool, h, d in pairs:
+            # a pool that reuses another pool's indices does not own those slots: no values
+            refs.append(self._ref(h, pool, "host", [] if pool in aliased else None))
+            refs.append(self._ref(d, pool, "device", [] if pool in aliased else None))
+        start = rt.event(self.enable_timing)
+        start.record()  # after the index moves: the side stream is ordered after them
+        finish = rt.event(self.enable_timing)
+        self.log.emit(
+            TransferSubmitted,
+            op=op.id,
+            direction=direction,
+            stream=stream.name,
+            io_backend=self.io_backend,
+            layout=self.layout,
+            tensors=tuple(refs),
+            slots_by_pool=slots,
+            bytes_by_pool=bytes_by_pool,
+            producer_id=producer_id,
+        )
+        begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
+        ack = _PendingAck(op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id)
+        try:
+            with rt.use(stream):
+                start.wait(stream)
+                begin.record(stream)
+                if direction == D2H:
+                    self._launch_write(pairs)
+                else:
+                    ack.layer_events = self._launch_load(pairs, producer_id)
+                finish.record(stream)
+                self._record_transfer_indices_on_stream(
+                    stream, op.host_indices, op.device_indices, op.pool_transfers, op=op.id
+                )
+        except HiCacheError as exc:
+            _log.warning("transfer of op %d (%s) failed at submission: %s", op.id, direction, exc)
+            ack.error = f"{type(exc).__name__}: {exc}"
+            finish = rt.event(self.enable_timing)
+            finish.record()
+            ack.finish = finish
+        if direction == H2D and producer_id >= 0:
+            self.layer_done_counter.set_finish_event(producer_id, ack.finish)
+        self._acks[direction].append(ack)
+        return ack
+
+    def _launch_write(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        rt = self.runtime
+        for pool, h, d in pairs:
+            if h.numel() == 0:
+                continue
+            if self.io_backend == "kernel":
+                check_kernel_indices(rt, pool, h, d)
+            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d))
+
+    def _launch_load(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], producer_id: int) -> list[DeviceEvent]:
+        rt = self.runtime
+        plan = []
+        for pool, h, d in pairs:
+            if self.io_backend == "kernel":
+                check_kernel_indices(rt, pool, h, d)
+            plan.append((self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d)))
+        events = []
+        for layer in range(self.spec.num_layers):
+            for hp, dp, h, d, runs in plan:
+                local = dp.layer_index.get(layer)
+                if local is not None and h.numel():
+                    launch_load_layer(rt, hp, dp, local, h, d, runs)
+            ev = self.layer_done_counter.layer_event(producer_id, layer) if producer_id >= 0 else rt.event(self.enable_timing)
+            ev.record(self.load_stream)
+            events.append(ev)
+        return events
+
+    def start_writing(self) -> None:
+        """Merge the write queue, move indices and back everything up on the write stream."""
+        with self._lock:
+            self._check_open()
+            op = self._take_queue(D2H)
+            if op is None:
+                return
+            moved = self._move_op(op)
+            del op
+            self._submit(moved, D2H, self.write_stream, -1)
+
+    def start_loading(self) -> int:
+        """Submit the queued loads layer by layer; returns the producer id, or -1 if none queued."""
+        with self._lock:
+            self._check_open()
+            if not self.state.queues[H2D]:
+                return -1
+            producer_id = self.layer_done_counter.update_producer()
+            op = self._take_queue(H2D)
+            assert op is not None
+            moved = self._move_op(op)
+            del op
+            self._submit(moved, H2D, self.load_stream, producer_id)
+            return producer_id
+
+    # ----------------------------------------------------------------- acks
+    def poll_writes(self) -> list[Ack]:
+        """Reap finished writes in FIFO order, stopping at the first unfinished one."""
+        return self._poll(D2H)
+
+    def poll_loads(self) -> list[Ack]:
+        """Reap finished loads in FIFO order, stopping at the first unfinished one."""
+        return self._poll(H2D)
+
+    def _poll(self, direction: str) -> list[Ack]:
+        from ..events.schema import TransferCompleted, TransferFailed
+
+        with self._lock:
+            out: list[Ack] = []
+            q = self._acks[direction]
+            while q:
+                a = q[0]
+                if a.error is None and not a.finish.query():
+                    break
+                q.popleft()
+                if a.error is not None:
+                    self.log.emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
+                    out.append(
+                        Ack(a.op_id, direction, a.node_ids, False, a.error, None, None, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
+                    )
+                    continue
+                dur = a.start.elapsed_ns(a.finish)
+                layers = None
+                if a.layer_events is not None:
+                    ls = [a.start.elapsed_ns(e) for e in a.layer_events]
+                    layers = tuple(x for x in ls if x is not None) if all(x is not None for x in ls) else None
+                self.log.emit(
+                    TransferCompleted,
+                    op=a.op_id,
+                    direction=direction,
+                    duration_ns=dur if dur is not None else 0,
+                    layer_durations_ns=layers,
+                )
+                out.append(
+                    Ack(a.op_id, direction, a.node_ids, True, None, dur, layers, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
+                )
+            return out
+
+    def in_flight(self, direction: str) -> int:
+        return self.state.in_flight(direction)
+
+    # ---------------------------------------------------------- life cycle
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def synchronize(self) -> None:
+        """Wait for all side-stream work (does not reap acks)."""
+        self.runtime.synchronize()
+
+    def close(self) -> None:
+        """Finish in-flight work, reap every ack, and refuse further calls. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self.runtime.synchronize()
+            self.poll_writes()
+            self.poll_loads()
+            self._closed = True
+            if self._owns_log:
+                self.log.close()
+
+    def __enter__(self) -> HiCacheController:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------- data access
+    def device_pool(self, pool: str = ANCHOR) -> DevicePool:
+        return self._pool(pool, "device")  # type: ignore[return-value]
+
+    def host_pool(self, pool: str = ANCHOR) -> HostPool:
+        return self._pool(pool, "host")  # type: ignore[return-value]
+
+
+class HybridCacheController(HiCacheController):
+    """Controller for hybrid models: KV (the anchor) plus Mamba and/or SWA pools.
+
+    ``write``/``load`` take ``pool_transfers`` and return ``(indices, transfers)``
+    where ``transfers`` are new :class:`PoolTransfer` objects with the allocated
+    side filled in (the caller's are never changed). Allocation is atomic across
+    pools; a load with empty anchor indices moves the pools only.
+    """
+
+    def write(  # type: ignore[override]
+        self,
+        device_indices: torch.Tensor,
+        priority: int | None = None,
+        node_id: int = -1,
+        pool_transfers: Sequence[PoolTransfer] | None = None,
+    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
+        return self._write(device_indices, priority, node_id, pool_transfers)
+
+    def load(  # type: ignore[override]
+        self,
+        host_indices: torch.Tensor,
+        priority: int | None = None,
+        node_id: int = -1,
+        pool_transfers: Sequence[PoolTransfer] | None = None,
+    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
+        return self._load(host_indices, priority, node_id, pool_transfers)
+
+    def move_hybrid_indices(self, op: CacheOperation) -> CacheOperation:
+        """Move the anchor's and every pool transfer's indices; returns a new op with new transfers."""
+        host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
+        if op.pool_transfers is None:
+            return op.replace(host_indices=host, device_indices=device)
+        moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {ANCHOR: (host, device)}
+        out: list[PoolTransfer] = []
+        deferred: list[PoolTransfer] = []
+        for t in op.pool_transfers:
+            if t.indices_from_pool is not None:
+                deferred.append(t)
+                continue
+            if t.host_indices is None or t.device_indices is None:
+                raise UnresolvedTransferError(
+                    f"pool transfer {t.pool!r} of op {op.id}: "
+                    f"{'host' if t.host_indices is None else 'device'}_indices is None at move time"
+                )
+            h, d = self.move_indices(t.host_indices, t.device_indices, op=op.id, pool=t.pool)
+            moved[t.pool] = (h, d)
+            out.append(t.with_indices(h, d))
+        for t in deferred:
+            src = moved.get(t.indices_from_pool)  # type: ignore[arg-type]
+            if src is None:
+                raise UnresolvedTransferError(
+                    f"pool transfer {t.pool!r} of op {op.id} reuses pool {t.indices_from_pool!r}, which the op lacks"
+                )
+            out.append(t.with_indices(*src))
+        return op.replace(host_indices=host, device_indices=device, pool_transfers=tuple(out))
+
+    def _move_op(self, op: CacheOperation) -> CacheOperation:
+        return self.move_hybrid_indices(op)

@@ -1,0 +1,291 @@
+"""Runtimes: the controller's only way to touch streams, events and device memory.
+
+Operations of every :class:`Runtime`:
+
+- ``stream(name)`` -> a side stream; ``current_stream()``; ``use(stream)`` context
+- ``event(enable_timing)`` -> :class:`DeviceEvent` (``record``, ``query``,
+  ``synchronize``, ``wait``, ``elapsed_ns``)
+- ``record_stream(tensor, stream)``: keep ``tensor``'s memory until ``stream``'s
+  work queued so far has run
+- ``is_device(tensor)``, ``to_device(tensor, non_blocking)``, ``to_host(tensor)``
+- ``empty(shape, dtype)``: a long-lived device buffer (pool storage)
+- ``launch(fn, *tensors)``: run ``fn(*tensors)`` as work on the current stream
+- ``synchronize()``; ``drain()``
+
+Three implementations: ``cpu`` (synchronous, nothing is a device tensor),
+``sim`` (a CPU model of CUDA streams and the caching allocator, in
+:mod:`hicache_obs.core.sim`) and ``cuda``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..errors import ConfigError, RuntimeUnavailableError
+
+__all__ = [
+    "Stream",
+    "DeviceEvent",
+    "Runtime",
+    "CpuRuntime",
+    "CudaRuntime",
+    "make_runtime",
+    "RUNTIME_NAMES",
+]
+
+RUNTIME_NAMES = ("cpu", "sim", "cuda")
+
+
+class Stream(Protocol):
+    name: str
+
+
+@runtime_checkable
+class DeviceEvent(Protocol):
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def wait(self, stream: Any = None) -> None: ...
+    def elapsed_ns(self, end: DeviceEvent) -> int | None: ...
+
+
+class Runtime(Protocol):
+    name: str
+    device: str  # "cpu", "sim:0", "cuda:0": how events name this runtime's device
+    has_device: bool  # False when there is no separate device memory (cpu)
+
+    def stream(self, name: str) -> Any: ...
+    def current_stream(self) -> Any: ...
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
+    def event(self, enable_timing: bool = False) -> DeviceEvent: ...
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
+    def is_device(self, tensor: torch.Tensor) -> bool: ...
+    def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor: ...
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def launch(self, fn: Callable[..., None], *tensors: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def drain(self) -> None: ...
+    def values_readable(self, tensor: torch.Tensor) -> bool: ...
+    def tensor_device(self, tensor: torch.Tensor) -> str: ...
+
+
+# --------------------------------------------------------------------------- cpu
+
+
+class _CpuStream:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<cpu stream {self.name}>"
+
+
+class _CpuEvent:
+    """Always complete: the cpu runtime runs everything at once."""
+
+    __slots__ = ("t_ns",)
+
+    def __init__(self) -> None:
+        self.t_ns: int | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t_ns = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def elapsed_ns(self, end: DeviceEvent) -> int | None:
+        t1 = getattr(end, "t_ns", None)
+        if self.t_ns is None or t1 is None:
+            return None
+        return max(0, t1 - self.t_ns)
+
+
+class CpuRuntime:
+    """Synchronous runtime: streams are names, events are always complete."""
+
+    name = "cpu"
+    device = "cpu"
+    has_device = False
+
+    def __init__(self) -> None:
+        self._main = _CpuStream("main")
+        self._current: Any = self._main
+
+    def stream(self, name: str) -> _CpuStream:
+        return _CpuStream(name)
+
+    def current_stream(self) -> Any:
+        return self._current
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[Any]:
+        prev, self._current = self._current, stream
+        try:
+            yield stream
+        finally:
+            self._current = prev
+
+    def event(self, enable_timing: bool = False) -> _CpuEvent:
+        return _CpuEvent()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        return None
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        return tensor
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def launch(self, fn: Callable[..., None], *tensors: Any) -> None:
+        fn(*tensors)
+
+    def synchronize(self) -> None:
+        return None
+
+    def drain(self) -> None:
+        return None
+
+    def values_readable(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def tensor_device(self, tensor: torch.Tensor) -> str:
+        return "cpu"
+
+
+# -------------------------------------------------------------------------- cuda
+
+
+class _CudaEvent:
+    __slots__ = ("_ev", "_torch")
+
+    def __init__(self, enable_timing: bool) -> None:
+        self._ev = torch.cuda.Event(enable_timing=enable_timing)
+
+    def record(self, stream: Any = None) -> None:
+        self._ev.record(stream)
+
+    def query(self) -> bool:
+        return bool(self._ev.query())
+
+    def synchronize(self) -> None:
+        self._ev.synchronize()
+
+    def wait(self, stream: Any = None) -> None:
+        self._ev.wait(stream)
+
+    def elapsed_ns(self, end: DeviceEvent) -> int | None:
+        try:
+            return int(self._ev.elapsed_time(end._ev) * 1e6)  # type: ignore[attr-defined]
+        except (RuntimeError, AttributeError):
+            return None
+
+
+class CudaRuntime:
+    """Real CUDA streams, events and ``Tensor.record_stream``."""
+
+    name = "cuda"
+    has_device = True
+
+    def __init__(self, device: int | str = 0) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeUnavailableError(
+                "runtime 'cuda' was asked for but torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}); use runtime 'sim' to model CUDA on a CPU"
+            )
+        self._device = torch.device(device if isinstance(device, str) else f"cuda:{device}")
+        self.device = str(self._device)
+
+    def stream(self, name: str) -> Any:
+        s = torch.cuda.Stream(device=self._device)
+        s.name = name  # type: ignore[attr-defined]
+        return s
+
+    def current_stream(self) -> Any:
+        s = torch.cuda.current_stream(self._device)
+        if not hasattr(s, "name"):
+            try:
+                s.name = "main"  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        return s
+
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def event(self, enable_timing: bool = False) -> _CudaEvent:
+        return _CudaEvent(enable_timing)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return bool(tensor.is_cuda)
+
+    def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        return tensor.to(self._device, non_blocking=non_blocking)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.cpu()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self._device)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory()
+
+    def launch(self, fn: Callable[..., None], *tensors: Any) -> None:
+        fn(*tensors)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._device)
+
+    def drain(self) -> None:
+        self.synchronize()
+
+    def values_readable(self, tensor: torch.Tensor) -> bool:
+        return not tensor.is_cuda
+
+    def tensor_device(self, tensor: torch.Tensor) -> str:
+        return str(tensor.device)
+
+
+def make_runtime(name: str | Runtime, **kwargs: Any) -> Runtime:
+    """Build a runtime by name (``cpu``, ``sim``, ``cuda``) or pass one through."""
+    if not isinstance(name, str):
+        return name
+    if name == "cpu":
+        return CpuRuntime()
+    if name == "sim":
+        from .sim import SimRuntime
+
+        return SimRuntime(**kwargs)
+    if name == "cuda":
+        return CudaRuntime(**kwargs)
+    raise ConfigError(f"unknown runtime {name!r}; expected one of {', '.join(RUNTIME_NAMES)}")

@@ -1,0 +1,468 @@
+"""The ``sim`` runtime: CUDA stream and caching-allocator semantics on a CPU.
+
+What it models, and why each part matters for the bug class this project audits:
+
+- **Device memory** is an arena of byte segments. Every tensor that an op on a
+  device tensor produces (:class:`SimTensor`) is copied into a block of the arena;
+  views share their base's block. ``is_device`` is true for them.
+- **The caching allocator.** A block whose last tensor is garbage-collected goes
+  back to a LIFO free list of its size class at once, so the next allocation of
+  that size reuses the most recently freed block, unless ``record_stream`` named a
+  stream that still has queued work: then the block returns only after that work
+  ran. That is exactly what makes a missing record dangerous.
+- **Side streams.** Work launched on a side stream is queued, not run. It runs on
+  ``synchronize()``, ``event.query()`` / ``event.synchronize()``, a wait of the
+  main stream on one of its events, or ``drain()``. Queued work captures arena
+  offsets, never Python tensors: if the block was freed and reused meanwhile, the
+  work reads whatever the new owner wrote there, as a CUDA kernel would.
+- The main stream is synchronous.
+
+``paused()`` holds side-stream work back (queries report "not done") so tests can
+observe in-flight states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["SimRuntime", "SimTensor", "SimStream", "SimEvent"]
+
+_MIN_BLOCK = 512
+_SEGMENT_BYTES = 8 << 20
+
+
+def _size_class(nbytes: int) -> int:
+    n = max(_MIN_BLOCK, nbytes)
+    return 1 << (n - 1).bit_length()
+
+
+class _Block:
+    """One allocation in the arena; freed when the last tensor on it dies."""
+
+    __slots__ = ("rt", "seg", "offset", "size", "streams", "__weakref__")
+
+    def __init__(self, rt: SimRuntime, seg: int, offset: int, size: int) -> None:
+        self.rt = rt
+        self.seg = seg
+        self.offset = offset
+        self.size = size
+        self.streams: set[SimStream] | None = None
+
+    def __del__(self) -> None:
+        rt = self.rt
+        if rt is not None and not rt._closed:
+            rt._release(self.seg, self.offset, self.size, self.streams)
+
+
+class SimTensor(torch.Tensor):
+    """A tensor that lives in the sim runtime's device arena (or a pool buffer)."""
+
+    _sim_block: _Block | None
+    _sim_rt: SimRuntime
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
+        if kwargs is None:
+            kwargs = {}
+        rt: SimRuntime | None = None
+        sims: list[SimTensor] = []
+        for a in itertools.chain(args, kwargs.values()):
+            if isinstance(a, SimTensor):
+                sims.append(a)
+            elif isinstance(a, (list, tuple)):
+                sims.extend(x for x in a if isinstance(x, SimTensor))
+        if sims:
+            rt = sims[0]._sim_rt
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _TO_HOST or (func is torch.Tensor.to and _targets_cpu(args, kwargs)):
+                src = args[0]
+                return torch.Tensor.clone(src.as_subclass(torch.Tensor))
+            ret = func(*args, **kwargs)
+        if rt is None:
+            return ret
+        return _wrap_result(rt, ret, sims)
+
+    def __reduce_ex__(self, proto):  # type: ignore[no-untyped-def,override]
+        raise TypeError("sim device tensors cannot be pickled; move them to the host first")
+
+
+_TO_HOST = {torch.Tensor.cpu, torch.Tensor.numpy}
+
+
+def _targets_cpu(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    dev = kwargs.get("device")
+    if dev is None:
+        for a in args[1:]:
+            if isinstance(a, (str, torch.device)):
+                dev = a
+                break
+    return dev is not None and torch.device(dev).type == "cpu"
+
+
+def _wrap_result(rt: SimRuntime, ret: Any, sims: list[SimTensor]) -> Any:
+    if isinstance(ret, torch.Tensor):
+        return _wrap_tensor(rt, ret, sims)
+    if isinstance(ret, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in ret):
+        wrapped = [_wrap_tensor(rt, r, sims) if isinstance(r, torch.Tensor) else r for r in ret]
+        return type(ret)(wrapped) if isinstance(ret, list) else tuple(wrapped)
+    return ret
+
+
+def _wrap_tensor(rt: SimRuntime, t: torch.Tensor, sims: list[SimTensor]) -> SimTensor:
+    for s in sims:
+        if t is s:
+            return s
+    with torch._C.DisableTorchFunctionSubclass():
+        return _wrap_plain(rt, t, sims)
+
+
+def _wrap_plain(rt: SimRuntime, t: torch.Tensor, sims: list[SimTensor]) -> SimTensor:
+    if t.numel() > 0:
+        ptr = t.data_ptr()
+        for s in sims:
+            if s.numel() == 0:
+                continue
+            blk = s._sim_block
+            sp = s.untyped_storage().data_ptr()
+            if t.untyped_storage().data_ptr() != sp:
+                continue
+            if blk is None:  # a view of a persistent pool buffer
+                out = t.as_subclass(SimTensor)
+                out._sim_block = None
+                out._sim_rt = rt
+                return out
+            base = rt._seg_ptrs[blk.seg] + blk.offset
+            if base <= ptr < base + blk.size:
+                out = t.as_subclass(SimTensor)
+                out._sim_block = blk
+                out._sim_rt = rt
+                return out
+    return rt._alloc_copy(t)
+
+
+class SimStream:
+    """A side stream: a FIFO of deferred work items, each with a ticket."""
+
+    __slots__ = ("name", "rt", "queue", "submitted", "completed", "is_main", "__weakref__")
+
+    def __init__(self, rt: SimRuntime, name: str, is_main: bool = False) -> None:
+        self.rt = rt
+        self.name = name
+        self.queue: deque[tuple[int, Callable[[], None]]] = deque()
+        self.submitted = 0
+        self.completed = 0
+        self.is_main = is_main
+
+    def submit(self, work: Callable[[], None]) -> int:
+        self.submitted += 1
+        self.queue.append((self.submitted, work))
+        return self.submitted
+
+    def run_until(self, ticket: int) -> None:
+        ran = False
+        while self.queue and self.queue[0][0] <= ticket:
+            t, work = self.queue.popleft()
+            work()
+            self.completed = t
+            ran = True
+        if self.completed < ticket:
+            self.completed = ticket
+        if ran or self.rt._deferred_frees:
+            self.rt._retire()
+
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+    def __repr__(self) -> str:
+        return f"<sim stream {self.name} submitted={self.submitted} completed={self.completed}>"
+
+
+class SimEvent:
+    """A CUDA-like event: records a point in a stream's queue."""
+
+    __slots__ = ("rt", "stream", "ticket", "t_ns", "timing")
+
+    def __init__(self, rt: SimRuntime, enable_timing: bool) -> None:
+        self.rt = rt
+        self.stream: SimStream | None = None
+        self.ticket = 0
+        self.t_ns: int | None = None
+        self.timing = enable_timing
+
+    def record(self, stream: Any = None) -> None:
+        s: SimStream = stream if stream is not None else self.rt._current
+        self.t_ns = None
+        if s.is_main:
+            self.stream = None
+            self.ticket = 0
+            self.t_ns = time.perf_counter_ns()
+            return
+        self.stream = s
+        self.ticket = s.submit(self._stamp)
+
+    def _stamp(self) -> None:
+        self.t_ns = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        s = self.stream
+        if s is None or s.completed >= self.ticket:
+            return True
+        if self.rt._paused:
+            return False
+        s.run_until(self.ticket)
+        return True
+
+    def synchronize(self) -> None:
+        s = self.stream
+        if s is not None and s.completed < self.ticket:
+            if self.rt._paused:
+                raise RuntimeError("SimEvent.synchronize() inside SimRuntime.paused() would deadlock")
+            s.run_until(self.ticket)
+
+    def wait(self, stream: Any = None) -> None:
+        waiter: SimStream = stream if stream is not None else self.rt._current
+        src, ticket = self.stream, self.ticket
+        if src is None or src is waiter:
+            return
+        if waiter.is_main:
+            # the synchronous main stream blocks until the event's work ran
+            if src.completed < ticket:
+                if self.rt._paused:
+                    raise RuntimeError("main stream waited on a paused side stream")
+                src.run_until(ticket)
+            return
+        waiter.submit(lambda: src.run_until(ticket))
+
+    def elapsed_ns(self, end: Any) -> int | None:
+        t1 = getattr(end, "t_ns", None)
+        if self.t_ns is None or t1 is None:
+            return None
+        return max(0, t1 - self.t_ns)
+
+
+class SimRuntime:
+    """CPU model of CUDA streams, events and the caching allocator (see module doc)."""
+
+    name = "sim"
+    device = "sim:0"
+    has_device = True
+
+    def __init__(self, segment_bytes: int = _SEGMENT_BYTES) -> None:
+        self._segment_bytes = segment_bytes
+        self._segs: list[torch.Tensor] = []
+        self._seg_ptrs: list[int] = []
+        self._seg_used: list[int] = []
+        self._free: dict[int, list[tuple[int, int]]] = {}
+        self._deferred_frees: list[tuple[int, int, int, list[tuple[SimStream, int]]]] = []
+        self._main = SimStream(self, "main", is_main=True)
+        self._current: SimStream = self._main
+        self._streams: list[SimStream] = []
+        self._paused = False
+        self._closed = False
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+
+    # ----------------------------------------------------------- allocator model
+    def _alloc_block(self, nbytes: int) -> _Block:
+        size = _size_class(nbytes)
+        free = self._free.get(size)
+        if free:
+            seg, off = free.pop()  # LIFO: the most recently freed block first
+            self.blocks_reused += 1
+        else:
+            seg, off = self._bump(size)
+        self.blocks_allocated += 1
+        return _Block(self, seg, off, size)
+
+    def _bump(self, size: int) -> tuple[int, int]:
+        if self._segs:
+            i = len(self._segs) - 1
+            if self._seg_used[i] + size <= self._segs[i].numel():
+                off = self._seg_used[i]
+                self._seg_used[i] += size
+                return i, off
+        seg = torch.zeros(max(self._segment_bytes, size), dtype=torch.uint8)
+        self._segs.append(seg)
+        self._seg_ptrs.append(seg.data_ptr())
+        self._seg_used.append(size)
+        return len(self._segs) - 1, 0
+
+    def _release(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
+        if streams:
+            pending = [(s, s.submitted) for s in streams if s.submitted > s.completed]
+            if pending:
+                self._deferred_frees.append((seg, off, size, pending))
+                return
+        self._free.setdefault(size, []).append((seg, off))
+
+    def _retire(self) -> None:
+        keep = []
+        for item in self._deferred_frees:
+            seg, off, size, pending = item
+            if all(s.completed >= t for s, t in pending):
+                self._free.setdefault(size, []).append((seg, off))
+            else:
+                keep.append(item)
+        self._deferred_frees = keep
+
+    def _view(self, blk: _Block, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        raw = self._segs[blk.seg][blk.offset : blk.offset + n * itemsize]
+        return raw.view(dtype).view(shape)
+
+    def _new(self, shape: tuple[int, ...], dtype: torch.dtype) -> SimTensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        blk = self._alloc_block(n * itemsize)
+        out = self._view(blk, shape, dtype).as_subclass(SimTensor)
+        out._sim_block = blk
+        out._sim_rt = self
+        return out
+
+    def _alloc_copy(self, t: torch.Tensor) -> SimTensor:
+        out = self._new(tuple(t.shape), t.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            out.copy_(t)
+        return out
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    @property
+    def deferred_blocks(self) -> int:
+        return len(self._deferred_frees)
+
+    # ------------------------------------------------------------ runtime API
+    def stream(self, name: str) -> SimStream:
+        s = SimStream(self, name)
+        self._streams.append(s)
+        return s
+
+    def current_stream(self) -> SimStream:
+        return self._current
+
+    @contextlib.contextmanager
+    def use(self, stream: SimStream) -> Iterator[SimStream]:
+        prev, self._current = self._current, stream
+        try:
+            yield stream
+        finally:
+            self._current = prev
+
+    def event(self, enable_timing: bool = False) -> SimEvent:
+        return SimEvent(self, enable_timing)
+
+    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+        if not isinstance(tensor, SimTensor):
+            return
+        blk = tensor._sim_block
+        if blk is None or stream.is_main:
+            return
+        if blk.streams is None:
+            blk.streams = set()
+        blk.streams.add(stream)
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, SimTensor)
+
+    def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if isinstance(tensor, SimTensor):
+            return tensor
+        return self._alloc_copy(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, SimTensor):
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.Tensor.clone(tensor.as_subclass(torch.Tensor))
+        return tensor
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A persistent device buffer (pool storage); never returned to the arena."""
+        out = torch.zeros(shape, dtype=dtype).as_subclass(SimTensor)
+        out._sim_block = None
+        out._sim_rt = self
+        return out
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def launch(self, fn: Callable[..., None], *tensors: Any) -> None:
+        s = self._current
+        if s.is_main:
+            with torch._C.DisableTorchFunctionSubclass():
+                fn(*[self._plain(t) for t in tensors])
+            return
+        captured = [self._capture(t) for t in tensors]
+
+        def work() -> None:
+            with torch._C.DisableTorchFunctionSubclass():
+                fn(*[self._materialise(c) for c in captured])
+
+        s.submit(work)
+
+    @staticmethod
+    def _plain(t: Any) -> Any:
+        if isinstance(t, SimTensor):
+            return t.as_subclass(torch.Tensor)
+        return t
+
+    def _capture(self, t: Any) -> Any:
+        if not isinstance(t, SimTensor):
+            return ("value", t)
+        blk = t._sim_block
+        if blk is None:  # persistent buffer: long-lived, like a pool's storage
+            return ("value", t.as_subclass(torch.Tensor))
+        with torch._C.DisableTorchFunctionSubclass():
+            byte_off = t.data_ptr() - self._seg_ptrs[blk.seg]
+            return ("arena", blk.seg, byte_off, tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def _materialise(self, c: Any) -> Any:
+        if c[0] == "value":
+            return c[1]
+        _, seg, byte_off, shape, stride, dtype = c
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._segs[seg].view(dtype).as_strided(shape, stride, byte_off // itemsize)
+
+    def synchronize(self) -> None:
+        if self._paused:
+            raise RuntimeError("SimRuntime.synchronize() inside paused() would deadlock")
+        for s in self._streams:
+            s.run_until(s.submitted)
+        self._retire()
+
+    def drain(self) -> None:
+        self.synchronize()
+
+    def values_readable(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def tensor_device(self, tensor: torch.Tensor) -> str:
+        return self.device if isinstance(tensor, SimTensor) else "cpu"
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold all side-stream work back: queries answer False until the block ends."""
+        prev, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = prev
+
+    def pending_work(self) -> int:
+        return sum(len(s.queue) for s in self._streams)
+
+    def close(self) -> None:
+        self._closed = True

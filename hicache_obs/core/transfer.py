@@ -1,0 +1,127 @@
+"""The copy kernels of the io backends, launched through a runtime.
+
+``kernel``: both index tensors on the device, int64, equal length; gathers and
+scatters by index (a device kernel on cuda). ``direct``: index values on the CPU;
+consecutive slot pairs are grouped into runs and copied as whole slices, so a
+page of the ``page_first`` layout moves as one contiguous block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import IndexNotOnDeviceError, InvalidIndicesError, LengthMismatchError
+from .pools import DevicePool, HostPool
+from .runtime import Runtime
+
+__all__ = ["IO_BACKENDS", "check_kernel_indices", "pair_runs", "launch_backup", "launch_load_layer"]
+
+IO_BACKENDS = ("kernel", "direct")
+
+Runs3 = tuple[tuple[int, int, int], ...]
+
+
+def check_kernel_indices(runtime: Runtime, pool: str, host: torch.Tensor, device: torch.Tensor) -> None:
+    """The checks the device copy kernels make before they launch (SGLang #24121)."""
+    for role, t in (("host", host), ("device", device)):
+        if runtime.has_device and not runtime.is_device(t):
+            raise IndexNotOnDeviceError(
+                f"Destination indices must be a device tensor: pool {pool!r} {role} indices are on "
+                f"{runtime.tensor_device(t)}, io backend 'kernel' needs {runtime.device}"
+            )
+        if t.dtype != torch.int64:
+            raise InvalidIndicesError(f"pool {pool!r} {role} indices must be int64 for the kernel, got {t.dtype}")
+    if host.numel() != device.numel():
+        raise LengthMismatchError(
+            f"pool {pool!r}: host indices have {host.numel()} entries, device indices {device.numel()}"
+        )
+
+
+def pair_runs(host: list[int], device: list[int]) -> Runs3:
+    """Group index pairs into runs ``(host_start, device_start, length)`` consecutive on both sides."""
+    if not host:
+        return ()
+    out: list[tuple[int, int, int]] = []
+    h0, d0, n = host[0], device[0], 1
+    for h, d in zip(host[1:], device[1:]):
+        if h == h0 + n and d == d0 + n:
+            n += 1
+            continue
+        out.append((h0, d0, n))
+        h0, d0, n = h, d, 1
+    out.append((h0, d0, n))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ kernels
+def _d2h_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
+    host.index_copy_(1, hidx, dev.index_select(1, didx))
+
+
+def _d2h_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
+    host.index_copy_(0, hidx, dev.index_select(1, didx).transpose(0, 1))
+
+
+def _h2d_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor, layer: int) -> None:
+    dev[layer].index_copy_(0, didx, host[layer].index_select(0, hidx))
+
+
+def _h2d_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor, layer: int) -> None:
+    dev[layer].index_copy_(0, didx, host.select(1, layer).index_select(0, hidx))
+
+
+def _d2h_runs_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
+    for h, d, n in runs:
+        host[:, h : h + n].copy_(dev[:, d : d + n])
+
+
+def _d2h_runs_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
+    for h, d, n in runs:
+        host[h : h + n].copy_(dev[:, d : d + n].transpose(0, 1))
+
+
+def _h2d_runs_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3, layer: int) -> None:
+    for h, d, n in runs:
+        dev[layer, d : d + n].copy_(host[layer, h : h + n])
+
+
+def _h2d_runs_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3, layer: int) -> None:
+    for h, d, n in runs:
+        dev[layer, d : d + n].copy_(host[h : h + n, layer])
+
+
+def launch_backup(
+    runtime: Runtime,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    runs: Runs3 | None,
+) -> None:
+    """Device -> host, all layers of every plane, on the current stream."""
+    lf = host_pool.layout == "layer_first"
+    for name, hplane in host_pool.planes.items():
+        dplane = device_pool.planes[name]
+        if runs is not None:
+            runtime.launch(_d2h_runs_lf if lf else _d2h_runs_pf, hplane, dplane, runs)
+        else:
+            runtime.launch(_d2h_index_lf if lf else _d2h_index_pf, hplane, dplane, host_idx, dev_idx)
+
+
+def launch_load_layer(
+    runtime: Runtime,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    layer: int,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    runs: Runs3 | None,
+) -> None:
+    """Host -> device, one (pool-local) layer of every plane, on the current stream."""
+    lf = host_pool.layout == "layer_first"
+    for name, hplane in host_pool.planes.items():
+        dplane = device_pool.planes[name]
+        if runs is not None:
+            runtime.launch(_h2d_runs_lf if lf else _h2d_runs_pf, hplane, dplane, runs, layer)
+        else:
+            runtime.launch(_h2d_index_lf if lf else _h2d_index_pf, hplane, dplane, host_idx, dev_idx, layer)

@@ -1,0 +1,169 @@
+"""The in-memory event log: append-only, gap-free ``seq``, subscribers, sinks.
+
+Operations:
+
+- ``emit(cls, **fields)``: stamp the header (seq, ts_ns, rank), append, deliver
+- ``append(event)``: append a pre-built event whose ``seq`` is the next one
+- ``subscribe(fn)``: a synchronous subscriber, called inline in log order
+  (bookkeeping folds, the live auditor); returns an unsubscribe callable
+- ``add_sink(sink)``: an asynchronous :class:`~hicache_obs.events.sinks.Sink`,
+  fed in batches by a worker thread through a bounded queue
+- ``events()``: the events still retained; ``overflowed``: how many the bound evicted
+
+Events emitted while subscribers run (an auditor's violation) are delivered after
+the current event reached every subscriber, so every subscriber sees log order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from ..errors import SequenceError
+from .schema import Event
+
+__all__ = ["EventLog", "Subscriber"]
+
+Subscriber = Callable[[Event], None]
+E = TypeVar("E", bound=Event)
+
+_log = logging.getLogger("hicache_obs.events")
+
+
+class EventLog:
+    """Append-only log of events with synchronous subscribers and async sinks.
+
+    ``capacity`` bounds how many events stay in memory (oldest evicted first,
+    counted in ``overflowed``); subscribers and sinks still see every event.
+    """
+
+    def __init__(self, *, rank: int = 0, capacity: int | None = 1_000_000) -> None:
+        self.rank = rank
+        self.capacity = capacity
+        self._events: deque[Event] = deque(maxlen=capacity)
+        self._seq = 0
+        self.overflowed = 0
+        self._subscribers: list[Subscriber] = []
+        self._subscriber_errors: dict[str, int] = {}
+        self._sinks: list[Any] = []
+        self._lock = threading.RLock()
+        self._dispatching = False
+        self._pending: deque[Event] = deque()
+        self._closed = False
+
+    # ------------------------------------------------------------------ write
+    def emit(self, cls: type[E], **fields: Any) -> E:
+        """Create, append and deliver one event of type ``cls``."""
+        with self._lock:
+            ev = cls(seq=self._seq, ts_ns=time.time_ns(), rank=self.rank, **fields)
+            self._seq += 1
+            self._store(ev)
+            return ev
+
+    def append(self, event: E) -> E:
+        """Append an event built elsewhere; its ``seq`` must be the next one."""
+        with self._lock:
+            if event.seq != self._seq:
+                raise SequenceError(
+                    f"event seq {event.seq} appended where seq {self._seq} was expected "
+                    f"(type {type(event).__name__})"
+                )
+            self._seq += 1
+            self._store(event)
+            return event
+
+    def _store(self, ev: Event) -> None:
+        events = self._events
+        if self.capacity is not None and len(events) == self.capacity:
+            self.overflowed += 1
+        events.append(ev)
+        if self._dispatching:
+            self._pending.append(ev)
+            return
+        self._dispatching = True
+        try:
+            self._deliver(ev)
+            pending = self._pending
+            while pending:
+                self._deliver(pending.popleft())
+        finally:
+            self._dispatching = False
+
+    def _deliver(self, ev: Event) -> None:
+        for fn in self._subscribers:
+            try:
+                fn(ev)
+            except Exception:  # a subscriber must not break the hot path
+                name = getattr(fn, "__qualname__", repr(fn))
+                self._subscriber_errors[name] = self._subscriber_errors.get(name, 0) + 1
+                _log.exception("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq)
+
+    # ------------------------------------------------------------ subscribers
+    def subscribe(self, fn: Subscriber, *, first: bool = False) -> Callable[[], None]:
+        """Call ``fn(event)`` inline for every later event; returns an unsubscribe function."""
+        with self._lock:
+            if first:
+                self._subscribers.insert(0, fn)
+            else:
+                self._subscribers.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._subscribers:
+                    self._subscribers.remove(fn)
+
+        return unsubscribe
+
+    def add_sink(self, sink: Any, **runner_options: Any) -> Any:
+        """Feed ``sink`` every later event from a worker thread (see :class:`SinkRunner`)."""
+        from .sinks import SinkRunner
+
+        runner = SinkRunner(sink, **runner_options)
+        with self._lock:
+            self._sinks.append(runner)
+            self._subscribers.append(runner.offer)
+        return runner
+
+    @property
+    def sinks(self) -> list[Any]:
+        return list(self._sinks)
+
+    @property
+    def subscriber_errors(self) -> dict[str, int]:
+        return dict(self._subscriber_errors)
+
+    # ------------------------------------------------------------------- read
+    def events(self) -> list[Event]:
+        """The retained events, oldest first."""
+        with self._lock:
+            return list(self._events)
+
+    def __len__(self) -> int:
+        return self._seq
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def extend(self, events: Iterable[Event]) -> None:
+        for ev in events:
+            self.append(ev)
+
+    def flush(self, timeout: float | None = 10.0) -> None:
+        """Wait until every sink handled what it was offered so far."""
+        for runner in list(self._sinks):
+            runner.flush(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Flush and stop every sink; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            runners = list(self._sinks)
+        for runner in runners:
+            runner.close(timeout)

@@ -1,0 +1,236 @@
+"""Event types: immutable, typed, past-tense records of every state change.
+
+Every event carries the header ``seq`` (gap-free per log, from 0), ``ts_ns``
+(``time.time_ns()``) and ``rank``. Events are msgspec structs, frozen and tagged:
+encoded as JSON each is one object whose ``type`` field names the class.
+Events hold tuples, never lists or tensors: a :class:`TensorRef` describes an
+index tensor (where it lives, how long, its address) without keeping it alive.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+__all__ = [
+    "Runs",
+    "TensorRef",
+    "Event",
+    "PoolCreated",
+    "SlotsAllocated",
+    "SlotsFreed",
+    "AllocationFailed",
+    "OperationQueued",
+    "OperationsMerged",
+    "IndicesMoved",
+    "StreamRecorded",
+    "TransferSubmitted",
+    "TransferCompleted",
+    "TransferFailed",
+    "AuditViolation",
+    "AnyEvent",
+    "EVENT_TYPES",
+    "D2H",
+    "H2D",
+    "DIRECTIONS",
+    "TIERS",
+    "ROLES",
+    "runs_from_list",
+    "expand_runs",
+    "runs_len",
+]
+
+#: A run-length list of slot indices: ``((start, length), ...)``.
+Runs = tuple[tuple[int, int], ...]
+
+D2H = "d2h"  # write: device -> host backup
+H2D = "h2d"  # load: host -> device
+DIRECTIONS = (D2H, H2D)
+TIERS = ("device", "host")
+ROLES = ("host", "device")
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=False, omit_defaults=True):
+    """Where an index tensor lives and what it holds, without holding it.
+
+    ``indices`` is set only when the values were on the CPU already; reading a
+    device tensor's values would force a sync, so device refs carry ``None``.
+    """
+
+    pool: str
+    role: str
+    device: str
+    numel: int
+    dtype: str
+    ptr: int
+    indices: Runs | None = None
+
+
+class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of every event: the header fields."""
+
+    seq: int
+    ts_ns: int
+    rank: int = 0
+
+
+class PoolCreated(Event, frozen=True, kw_only=True):
+    pool: str
+    tier: str
+    capacity: int
+    page_size: int
+    slot_bytes: int
+    layout: str
+
+
+class SlotsAllocated(Event, frozen=True, kw_only=True):
+    pool: str
+    tier: str
+    indices: Runs
+    op: int = -1
+
+
+class SlotsFreed(Event, frozen=True, kw_only=True):
+    pool: str
+    tier: str
+    indices: Runs
+    reason: str = "free"  # free | evict | rollback | failed
+    op: int = -1
+
+
+class AllocationFailed(Event, frozen=True, kw_only=True):
+    pool: str
+    tier: str
+    requested: int
+    available: int
+
+
+class OperationQueued(Event, frozen=True, kw_only=True):
+    op: int
+    direction: str
+    node_id: int
+    priority: int
+    slots_by_pool: tuple[tuple[str, int], ...]
+
+
+class OperationsMerged(Event, frozen=True, kw_only=True):
+    op: int
+    merged_ops: tuple[int, ...]
+    direction: str
+    node_ids: tuple[int, ...] = ()
+
+
+class IndicesMoved(Event, frozen=True, kw_only=True):
+    op: int
+    pool: str
+    role: str
+    src_device: str
+    dst_device: str
+    tensor: TensorRef
+
+
+class StreamRecorded(Event, frozen=True, kw_only=True):
+    op: int
+    pool: str
+    role: str
+    stream: str
+    tensor: TensorRef
+
+
+class TransferSubmitted(Event, frozen=True, kw_only=True):
+    op: int
+    direction: str
+    stream: str
+    io_backend: str
+    layout: str
+    tensors: tuple[TensorRef, ...]
+    slots_by_pool: tuple[tuple[str, int], ...]
+    bytes_by_pool: tuple[tuple[str, int], ...]
+    producer_id: int = -1
+
+
+class TransferCompleted(Event, frozen=True, kw_only=True):
+    op: int
+    direction: str
+    duration_ns: int
+    layer_durations_ns: tuple[int, ...] | None = None
+
+
+class TransferFailed(Event, frozen=True, kw_only=True):
+    op: int
+    direction: str
+    error: str
+
+
+class AuditViolation(Event, frozen=True, kw_only=True):
+    op: int
+    rule: str
+    pool: str
+    role: str
+    detail: str
+    stream: str = ""
+    direction: str = ""
+
+
+AnyEvent = Union[
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    AllocationFailed,
+    OperationQueued,
+    OperationsMerged,
+    IndicesMoved,
+    StreamRecorded,
+    TransferSubmitted,
+    TransferCompleted,
+    TransferFailed,
+    AuditViolation,
+]
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.__name__: cls
+    for cls in (
+        PoolCreated,
+        SlotsAllocated,
+        SlotsFreed,
+        AllocationFailed,
+        OperationQueued,
+        OperationsMerged,
+        IndicesMoved,
+        StreamRecorded,
+        TransferSubmitted,
+        TransferCompleted,
+        TransferFailed,
+        AuditViolation,
+    )
+}
+
+
+def runs_from_list(values: list[int]) -> Runs:
+    """Run-length encode a list of ints: ``[3,4,5,9]`` -> ``((3,3),(9,1))``."""
+    if not values:
+        return ()
+    out: list[tuple[int, int]] = []
+    start = prev = values[0]
+    for v in values[1:]:
+        if v == prev + 1:
+            prev = v
+            continue
+        out.append((start, prev - start + 1))
+        start = prev = v
+    out.append((start, prev - start + 1))
+    return tuple(out)
+
+
+def expand_runs(runs: Runs) -> list[int]:
+    """Inverse of :func:`runs_from_list`."""
+    out: list[int] = []
+    for start, length in runs:
+        out.extend(range(start, start + length))
+    return out
+
+
+def runs_len(runs: Runs) -> int:
+    """How many slots a run list names."""
+    return sum(length for _, length in runs)

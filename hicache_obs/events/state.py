@@ -1,0 +1,319 @@
+"""The controller's bookkeeping as a fold of its events.
+
+:class:`CacheState` changes only in :meth:`CacheState.apply`. The live
+controller applies each event as it emits it; :func:`fold` rebuilds the same
+state from a log, so ``fold(log.events()).snapshot() == controller.state.snapshot()``
+after any workload.
+
+What it holds: per (pool, tier) a :class:`SlotTable` (which slots are allocated,
+and the FIFO order of free pages the allocator hands out next); per direction the
+queue of ops waiting to start and the FIFO of acks (submitted, not yet reaped);
+the ops not yet finished with their lifecycle status. Anomalies that a correct
+controller never produces (a free of a free slot, a completion out of FIFO order)
+are recorded in ``anomalies`` instead of raising, so a faulty log still folds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .schema import (
+    D2H,
+    H2D,
+    AllocationFailed,
+    Event,
+    OperationQueued,
+    OperationsMerged,
+    PoolCreated,
+    Runs,
+    SlotsAllocated,
+    SlotsFreed,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+    runs_from_list,
+)
+
+__all__ = ["SlotTable", "OpState", "CacheState", "fold"]
+
+
+class SlotTable:
+    """Allocation state of one pool on one tier, page-granular FIFO free list."""
+
+    __slots__ = ("pool", "tier", "capacity", "page_size", "used", "_alloc", "_free_pages", "_page_used")
+
+    def __init__(self, pool: str, tier: str, capacity: int, page_size: int) -> None:
+        self.pool = pool
+        self.tier = tier
+        self.capacity = capacity
+        self.page_size = page_size
+        self.used = 0
+        self._alloc = bytearray(capacity)
+        npages = capacity // page_size
+        self._free_pages: dict[int, None] = dict.fromkeys(range(npages))
+        self._page_used = bytearray(npages) if page_size > 1 else None
+
+    @property
+    def available(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    def peek(self, n_pages: int) -> list[int]:
+        """The pages the next allocation of ``n_pages`` would take (FIFO order)."""
+        out = []
+        it = iter(self._free_pages)
+        for _ in range(n_pages):
+            out.append(next(it))
+        return out
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.capacity and self._alloc[slot] == 1
+
+    def unallocated(self, runs: Runs) -> list[int]:
+        """Slots among ``runs`` that are out of range or not allocated."""
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        for start, length in runs:
+            if start < 0 or start + length > cap or a.find(0, start, start + length) != -1:
+                bad.extend(s for s in range(start, start + length) if not (0 <= s < cap and a[s]))
+        return bad
+
+    def apply_alloc(self, runs: Runs) -> list[int]:
+        """Mark slots allocated; returns slots that were already allocated (anomalies)."""
+        bad: list[int] = []
+        a = self._alloc
+        ps = self.page_size
+        fp = self._free_pages
+        pu = self._page_used
+        added = 0
+        for start, length in runs:
+            end = start + length
+            if start < 0 or end > self.capacity:
+                bad.extend(range(start, end))
+                continue
+            if a.find(1, start, end) != -1:
+                bad.extend(s for s in range(start, end) if a[s])
+            added += length - a.count(1, start, end)
+            a[start:end] = b"\x01" * length
+            if pu is None:
+                for s in range(start, end):
+                    fp.pop(s, None)
+            else:
+                for s in range(start, end):
+                    p = s // ps
+                    pu[p] += 1
+                    fp.pop(p, None)
+        self.used += added
+        return bad
+
+    def apply_free(self, runs: Runs) -> list[int]:
+        """Mark slots free; pages whose slots are all free rejoin the back of the free list.
+
+        Returns slots that were not allocated (double frees / out of range).
+        """
+        bad: list[int] = []
+        a = self._alloc
+        ps = self.page_size
+        fp = self._free_pages
+        pu = self._page_used
+        freed = 0
+        for start, length in runs:
+            end = start + length
+            for s in range(start, end):
+                if not (0 <= s < self.capacity) or not a[s]:
+                    bad.append(s)
+                    continue
+                a[s] = 0
+                freed += 1
+                if pu is None:
+                    fp[s] = None
+                else:
+                    p = s // ps
+                    pu[p] -= 1
+                    if pu[p] == 0:
+                        fp[p] = None
+        self.used -= freed
+        return bad
+
+    def snapshot(self) -> dict[str, Any]:
+        allocated = [i for i, v in enumerate(self._alloc) if v]
+        return {
+            "capacity": self.capacity,
+            "page_size": self.page_size,
+            "used": self.used,
+            "allocated": runs_from_list(allocated),
+            "free_order": tuple(self._free_pages),
+        }
+
+
+@dataclass
+class OpState:
+    op: int
+    direction: str
+    node_ids: tuple[int, ...]
+    priority: int
+    slots_by_pool: tuple[tuple[str, int], ...]
+    status: str = "queued"  # queued -> merged -> submitted -> completed | failed
+    queued_ns: int = 0
+    submitted_ns: int = 0
+    producer_id: int = -1
+
+    def snapshot(self) -> tuple[Any, ...]:
+        return (self.op, self.direction, self.node_ids, self.priority, self.slots_by_pool, self.status, self.producer_id)
+
+
+@dataclass
+class CacheState:
+    """Bookkeeping of one controller (one rank); see the module docstring."""
+
+    tables: dict[tuple[str, str], SlotTable] = field(default_factory=dict)
+    queues: dict[str, list[int]] = field(default_factory=lambda: {D2H: [], H2D: []})
+    acks: dict[str, deque[int]] = field(default_factory=lambda: {D2H: deque(), H2D: deque()})
+    ops: dict[int, OpState] = field(default_factory=dict)
+    completed: dict[str, int] = field(default_factory=lambda: {D2H: 0, H2D: 0})
+    failed: dict[str, int] = field(default_factory=lambda: {D2H: 0, H2D: 0})
+    allocation_failures: int = 0
+    anomalies: list[tuple[int, str, str]] = field(default_factory=list)
+    last_seq: int = -1
+
+    def table(self, pool: str, tier: str) -> SlotTable:
+        return self.tables[(pool, tier)]
+
+    def in_flight(self, direction: str) -> int:
+        return len(self.acks[direction])
+
+    def apply(self, ev: Event) -> None:
+        """Fold one event into the state (the only way the state changes)."""
+        self.last_seq = ev.seq
+        handler = _HANDLERS.get(type(ev))
+        if handler is not None:
+            handler(self, ev)
+
+    # ---------------------------------------------------------------- handlers
+    def _pool_created(self, ev: PoolCreated) -> None:
+        self.tables[(ev.pool, ev.tier)] = SlotTable(ev.pool, ev.tier, ev.capacity, ev.page_size)
+
+    def _slots_allocated(self, ev: SlotsAllocated) -> None:
+        t = self.tables.get((ev.pool, ev.tier))
+        if t is None:
+            self.anomalies.append((ev.seq, "unknown_pool", f"{ev.pool}/{ev.tier}"))
+            return
+        bad = t.apply_alloc(ev.indices)
+        if bad:
+            self.anomalies.append((ev.seq, "double_alloc", f"{ev.pool}/{ev.tier} slots {bad[:8]}"))
+
+    def _slots_freed(self, ev: SlotsFreed) -> None:
+        t = self.tables.get((ev.pool, ev.tier))
+        if t is None:
+            self.anomalies.append((ev.seq, "unknown_pool", f"{ev.pool}/{ev.tier}"))
+            return
+        bad = t.apply_free(ev.indices)
+        if bad:
+            self.anomalies.append((ev.seq, "double_free", f"{ev.pool}/{ev.tier} slots {bad[:8]}"))
+
+    def _allocation_failed(self, ev: AllocationFailed) -> None:
+        self.allocation_failures += 1
+
+    def _queued(self, ev: OperationQueued) -> None:
+        self.queues[ev.direction].append(ev.op)
+        self.ops[ev.op] = OpState(ev.op, ev.direction, (ev.node_id,), ev.priority, ev.slots_by_pool, queued_ns=ev.ts_ns)
+
+    def _merged(self, ev: OperationsMerged) -> None:
+        q = self.queues[ev.direction]
+        merged = set(ev.merged_ops)
+        self.queues[ev.direction] = [o for o in q if o not in merged]
+        sources = [self.ops.get(o) for o in ev.merged_ops]
+        if len(ev.merged_ops) == 1 and ev.merged_ops[0] == ev.op and sources[0] is not None:
+            sources[0].status = "merged"
+            return
+        slots: dict[str, int] = {}
+        node_ids: list[int] = []
+        prio = None
+        queued_ns = 0
+        for o in ev.merged_ops:
+            s = self.ops.pop(o, None)
+            if s is None:
+                self.anomalies.append((ev.seq, "merge_unknown_op", str(o)))
+                continue
+            node_ids.extend(s.node_ids)
+            for pool, n in s.slots_by_pool:
+                slots[pool] = slots.get(pool, 0) + n
+            prio = s.priority if prio is None else min(prio, s.priority)
+            queued_ns = s.queued_ns if not queued_ns else min(queued_ns, s.queued_ns)
+        self.ops[ev.op] = OpState(
+            ev.op,
+            ev.direction,
+            tuple(ev.node_ids) if ev.node_ids else tuple(node_ids),
+            prio if prio is not None else ev.op,
+            tuple(slots.items()),
+            status="merged",
+            queued_ns=queued_ns,
+        )
+
+    def _submitted(self, ev: TransferSubmitted) -> None:
+        s = self.ops.get(ev.op)
+        if s is None:
+            s = self.ops[ev.op] = OpState(ev.op, ev.direction, (), ev.op, ev.slots_by_pool)
+        s.status = "submitted"
+        s.submitted_ns = ev.ts_ns
+        s.producer_id = ev.producer_id
+        self.acks[ev.direction].append(ev.op)
+
+    def _finished(self, ev: TransferCompleted | TransferFailed, ok: bool) -> None:
+        acks = self.acks[ev.direction]
+        if acks and acks[0] == ev.op:
+            acks.popleft()
+        elif ev.op in acks:
+            self.anomalies.append((ev.seq, "ack_out_of_order", str(ev.op)))
+            acks.remove(ev.op)
+        else:
+            self.anomalies.append((ev.seq, "ack_unknown_op", str(ev.op)))
+        self.ops.pop(ev.op, None)
+        if ok:
+            self.completed[ev.direction] += 1
+        else:
+            self.failed[ev.direction] += 1
+
+    def _completed(self, ev: TransferCompleted) -> None:
+        self._finished(ev, True)
+
+    def _failed(self, ev: TransferFailed) -> None:
+        self._finished(ev, False)
+
+    # ---------------------------------------------------------------- views
+    def snapshot(self) -> dict[str, Any]:
+        """A plain, comparable picture of the whole bookkeeping."""
+        return {
+            "tables": {f"{p}/{t}": tab.snapshot() for (p, t), tab in sorted(self.tables.items())},
+            "queues": {d: tuple(q) for d, q in self.queues.items()},
+            "acks": {d: tuple(a) for d, a in self.acks.items()},
+            "ops": {o: s.snapshot() for o, s in sorted(self.ops.items())},
+            "completed": dict(self.completed),
+            "failed": dict(self.failed),
+            "allocation_failures": self.allocation_failures,
+        }
+
+
+_HANDLERS: dict[type, Any] = {
+    PoolCreated: CacheState._pool_created,
+    SlotsAllocated: CacheState._slots_allocated,
+    SlotsFreed: CacheState._slots_freed,
+    AllocationFailed: CacheState._allocation_failed,
+    OperationQueued: CacheState._queued,
+    OperationsMerged: CacheState._merged,
+    TransferSubmitted: CacheState._submitted,
+    TransferCompleted: CacheState._completed,
+    TransferFailed: CacheState._failed,
+}
+
+
+def fold(events: Iterable[Event]) -> CacheState:
+    """Rebuild the bookkeeping from events (one rank, in ``seq`` order)."""
+    state = CacheState()
+    for ev in events:
+        state.apply(ev)
+    return state
+
