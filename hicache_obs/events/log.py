@@ -118,12 +118,19 @@ class EventLog:
 
         return unsubscribe
 
-    def add_sink(self, sink: Any, **runner_options: Any) -> Any:
-        """Feed ``sink`` every later event from a worker thread (see :class:`SinkRunner`)."""
+    def add_sink(self, sink: Any, *, backfill: bool = True, **runner_options: Any) -> Any:
+        """Feed ``sink`` events from a worker thread (see :class:`SinkRunner`).
+
+        With ``backfill`` the sink first gets the events the log still retains, so a
+        sink attached after the controller was built still sees its ``PoolCreated``.
+        """
         from .sinks import SinkRunner
 
         runner = SinkRunner(sink, **runner_options)
         with self._lock:
+            if backfill:
+                for ev in self._events:
+                    runner.offer(ev)
             self._sinks.append(runner)
             self._subscribers.append(runner.offer)
         return runner

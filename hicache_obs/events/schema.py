@@ -148,6 +148,7 @@ class TransferSubmitted(Event, frozen=True, kw_only=True):
     slots_by_pool: tuple[tuple[str, int], ...]
     bytes_by_pool: tuple[tuple[str, int], ...]
     producer_id: int = -1
+    device: str = ""  # the runtime's device ("cpu", "sim:0", "cuda:0")
 
 
 class TransferCompleted(Event, frozen=True, kw_only=True):

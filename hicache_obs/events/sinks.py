@@ -10,7 +10,8 @@ A sink is any object with these operations (the :class:`Sink` protocol):
 the queue is full it drops (policy ``"drop"``) or blocks the producer up to
 ``block_timeout`` seconds and then drops (policy ``"block"``). Every drop and every
 exception a sink raises is counted (``dropped``, ``errors``) and logged; nothing
-raises into the controller.
+raises into the controller. A batch the sink raised on counts as one error
+and as ``len(batch)`` drops.
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class SinkRunner:
                     handle(ev)
             self.handled += len(batch)
         except Exception:
+            # the batch did not reach the sink: an error and, for each event, a drop
             self.errors += 1
+            self.dropped += len(batch)
             _log.exception("sink %s failed on a batch of %d events", self.name, len(batch))
 
     def flush(self, timeout: float | None = 10.0) -> bool:

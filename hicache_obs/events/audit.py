@@ -1,0 +1,298 @@
+"""The stream-safety auditor: a projection of the event log that applies the rules.
+
+Rules (each finding names op, pool, role, stream and what was wrong):
+
+- ``unrecorded_index``: a device index tensor used by a transfer on a side stream
+  had no ``record_stream`` on that stream before the op completed (SGLang #22940);
+- ``index_not_on_device``: the ``kernel`` io backend was handed an index tensor that
+  is not on the device;
+- ``length_mismatch``: a pool's host and device index tensors differ in length;
+- ``slot_not_allocated``: a transfer names a slot that is not allocated (use after
+  free, out of range);
+- ``double_free``: slots freed that were already free;
+- ``incomplete_operation``: an op submitted but never completed or failed, at log end.
+
+Live: ``Auditor().attach(log)`` subscribes and appends an ``AuditViolation``
+event per finding. Offline: feed events with :meth:`Auditor.feed`, then
+:meth:`Auditor.finish`. Both produce the same findings for the same log.
+The per-event cost is one dict lookup for events no rule looks at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .schema import (
+    AuditViolation,
+    Event,
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    StreamRecorded,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+    runs_from_list,
+)
+from .state import SlotTable
+
+__all__ = ["RULES", "Finding", "Auditor", "audit"]
+
+RULES = (
+    "unrecorded_index",
+    "index_not_on_device",
+    "length_mismatch",
+    "slot_not_allocated",
+    "double_free",
+    "incomplete_operation",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One rule violation."""
+
+    rule: str
+    pool: str
+    role: str
+    op: int
+    rank: int
+    detail: str
+    stream: str = ""
+    direction: str = ""
+    seq: int = -1  # seq of the event that revealed it (-1: end of log)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def key(self) -> tuple[Any, ...]:
+        """Identity for comparing live and offline audits."""
+        return (self.rule, self.pool, self.role, self.op, self.rank, self.stream, self.direction)
+
+
+@dataclass
+class _InFlight:
+    direction: str
+    stream: str
+    submit_seq: int
+    # (pool, role) -> device of the index tensor that still needs a record on `stream`
+    needs_record: dict[tuple[str, str], str]
+
+
+class _RankAudit:
+    __slots__ = ("tables", "inflight")
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple[str, str], SlotTable] = {}
+        self.inflight: dict[int, _InFlight] = {}
+
+
+class Auditor:
+    """Applies the audit rules to a stream of events (one or several ranks)."""
+
+    def __init__(self, emit: Callable[..., Any] | None = None) -> None:
+        self.findings: list[Finding] = []
+        self._ranks: dict[int, _RankAudit] = {}
+        self._emit = emit
+        self._finished = False
+        self._handlers: dict[type, Callable[[Any, _RankAudit], None]] = {
+            PoolCreated: self._pool_created,
+            SlotsAllocated: self._allocated,
+            SlotsFreed: self._freed,
+            TransferSubmitted: self._submitted,
+            StreamRecorded: self._recorded,
+            TransferCompleted: self._completed,
+            TransferFailed: self._failed,
+        }
+
+    # ---------------------------------------------------------------- wiring
+    def attach(self, log: Any) -> Auditor:
+        """Audit ``log`` live: subscribe, and append an ``AuditViolation`` per finding."""
+        self._emit = log.emit
+        log.subscribe(self.handle)
+        return self
+
+    def feed(self, events: Iterable[Event]) -> Auditor:
+        for ev in events:
+            self.handle(ev)
+        return self
+
+    def handle(self, ev: Event) -> None:
+        h = self._handlers.get(type(ev))
+        if h is None:
+            return
+        r = self._ranks.get(ev.rank)
+        if r is None:
+            r = self._ranks[ev.rank] = _RankAudit()
+        h(ev, r)
+
+    def finish(self) -> list[Finding]:
+        """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent."""
+        if not self._finished:
+            self._finished = True
+            for rank, r in sorted(self._ranks.items()):
+                for op, f in sorted(r.inflight.items()):
+                    self._report(
+                        "incomplete_operation",
+                        "*",
+                        "*",
+                        op,
+                        rank,
+                        f"op {op} ({f.direction}) was submitted on stream {f.stream!r} at seq {f.submit_seq} "
+                        "and never completed or failed",
+                        stream=f.stream,
+                        direction=f.direction,
+                        seq=-1,
+                    )
+        return list(self.findings)
+
+    # ------------------------------------------------------------- reporting
+    def _report(
+        self,
+        rule: str,
+        pool: str,
+        role: str,
+        op: int,
+        rank: int,
+        detail: str,
+        *,
+        stream: str = "",
+        direction: str = "",
+        seq: int = -1,
+    ) -> None:
+        f = Finding(rule, pool, role, op, rank, detail, stream, direction, seq)
+        self.findings.append(f)
+        if self._emit is not None and not self._finished:
+            self._emit(
+                AuditViolation, op=op, rule=rule, pool=pool, role=role, detail=detail, stream=stream, direction=direction
+            )
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{rule: {pool: count}}`` of the findings so far."""
+        out: dict[str, dict[str, int]] = {}
+        for f in self.findings:
+            d = out.setdefault(f.rule, {})
+            d[f.pool] = d.get(f.pool, 0) + 1
+        return out
+
+    # -------------------------------------------------------------- handlers
+    def _pool_created(self, ev: PoolCreated, r: _RankAudit) -> None:
+        r.tables[(ev.pool, ev.tier)] = SlotTable(ev.pool, ev.tier, ev.capacity, ev.page_size)
+
+    def _allocated(self, ev: SlotsAllocated, r: _RankAudit) -> None:
+        t = r.tables.get((ev.pool, ev.tier))
+        if t is not None:
+            t.apply_alloc(ev.indices)
+
+    def _freed(self, ev: SlotsFreed, r: _RankAudit) -> None:
+        t = r.tables.get((ev.pool, ev.tier))
+        if t is None:
+            return
+        bad = t.apply_free(ev.indices)
+        if bad:
+            out = [b for b in bad if not 0 <= b < t.capacity]
+            rule_detail = (
+                f"slots {out[:8]} freed out of range 0..{t.capacity - 1}"
+                if out
+                else f"slots {runs_from_list(sorted(bad))[:8]} freed while already free ({ev.reason})"
+            )
+            self._report(
+                "double_free",
+                ev.pool,
+                ev.tier,
+                ev.op,
+                ev.rank,
+                f"{ev.tier} pool {ev.pool!r}: {rule_detail}",
+                seq=ev.seq,
+            )
+
+    def _submitted(self, ev: TransferSubmitted, r: _RankAudit) -> None:
+        device = ev.device or next((t.device for t in ev.tensors if t.device != "cpu"), "cpu")
+        needs: dict[tuple[str, str], str] = {}
+        by_pool: dict[str, dict[str, int]] = {}
+        for t in ev.tensors:
+            by_pool.setdefault(t.pool, {})[t.role] = t.numel
+            if ev.io_backend == "kernel" and device != "cpu" and t.device != device:
+                self._report(
+                    "index_not_on_device",
+                    t.pool,
+                    t.role,
+                    ev.op,
+                    ev.rank,
+                    f"io backend 'kernel' got pool {t.pool!r} {t.role} indices on {t.device}, not on {device}",
+                    stream=ev.stream,
+                    direction=ev.direction,
+                    seq=ev.seq,
+                )
+            if t.device != "cpu" and t.numel:
+                needs[(t.pool, t.role)] = t.device
+            if t.indices is not None:
+                tier = "host" if t.role == "host" else "device"
+                table = r.tables.get((t.pool, tier))
+                if table is not None:
+                    bad = table.unallocated(t.indices)
+                    if bad:
+                        self._report(
+                            "slot_not_allocated",
+                            t.pool,
+                            t.role,
+                            ev.op,
+                            ev.rank,
+                            f"{ev.direction} op {ev.op} uses {tier} slots {bad[:8]} of pool {t.pool!r} "
+                            "that are not allocated",
+                            stream=ev.stream,
+                            direction=ev.direction,
+                            seq=ev.seq,
+                        )
+        for pool, roles in by_pool.items():
+            h, d = roles.get("host"), roles.get("device")
+            if h is not None and d is not None and h != d:
+                self._report(
+                    "length_mismatch",
+                    pool,
+                    "*",
+                    ev.op,
+                    ev.rank,
+                    f"pool {pool!r}: {h} host indices vs {d} device indices",
+                    stream=ev.stream,
+                    direction=ev.direction,
+                    seq=ev.seq,
+                )
+        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs)
+
+    def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
+        f = r.inflight.get(ev.op)
+        if f is not None and ev.stream == f.stream:
+            f.needs_record.pop((ev.pool, ev.role), None)
+
+    def _completed(self, ev: TransferCompleted, r: _RankAudit) -> None:
+        f = r.inflight.pop(ev.op, None)
+        if f is None:
+            return
+        for (pool, role), device in f.needs_record.items():
+            self._report(
+                "unrecorded_index",
+                pool,
+                role,
+                ev.op,
+                ev.rank,
+                f"{role} index tensor of pool {pool!r} on {device} was used on stream {f.stream!r} "
+                f"without record_stream on that stream before op {ev.op} completed; the caching allocator "
+                "may hand its memory to another tensor while the copy still reads it",
+                stream=f.stream,
+                direction=f.direction,
+                seq=ev.seq,
+            )
+
+    def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
+        # the rule that explains the failure was reported at submission
+        r.inflight.pop(ev.op, None)
+
+
+def audit(events: Iterable[Event]) -> list[Finding]:
+    """Audit a finished log offline; returns the findings, end-of-log rules included."""
+    a = Auditor()
+    a.feed(events)
+    return a.finish()

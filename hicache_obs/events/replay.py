@@ -1,0 +1,201 @@
+"""Reading logs back: :func:`read_segments` and :func:`replay`.
+
+A log is one or more JSON Lines files (or a folder of ``events*.jsonl``
+segments), possibly from several ranks. Every line is decoded against the event
+schema. A last line without its newline (a torn write) is reported and skipped;
+any other malformed line raises :class:`~hicache_obs.errors.LogFormatError`
+naming the file and line. Within each rank the events must form one gap-free,
+duplicate-free ``seq`` run (:class:`~hicache_obs.errors.SequenceError` otherwise).
+:func:`replay` folds each rank into a :class:`~hicache_obs.events.state.CacheState`
+and merges the ranks into one history ordered by time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ..errors import LogFormatError, SequenceError
+from .schema import AnyEvent, Event
+from .state import CacheState
+from .store import SEGMENT_GLOB
+
+__all__ = ["TornLine", "ReplayResult", "expand_paths", "read_file", "read_segments", "replay", "MAX_LINE_BYTES"]
+
+#: Lines longer than this are rejected without being decoded (bounded memory per line).
+MAX_LINE_BYTES = 16 << 20
+
+_decoder = msgspec.json.Decoder(AnyEvent)
+
+
+@dataclass(frozen=True)
+class TornLine:
+    file: str
+    line: int
+
+
+@dataclass
+class ReplayResult:
+    """Events of every rank, merged by time; each rank's folded bookkeeping."""
+
+    events: list[Event]
+    files: list[str] = field(default_factory=list)
+    torn_lines: list[TornLine] = field(default_factory=list)
+    states: dict[int, CacheState] = field(default_factory=dict)
+    by_rank: dict[int, list[Event]] = field(default_factory=dict)
+
+    @property
+    def state(self) -> CacheState:
+        """The bookkeeping of the only (or lowest) rank."""
+        if not self.states:
+            return CacheState()
+        return self.states[min(self.states)]
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.by_rank)
+
+
+def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Files as given; folders expand to their ``events*.jsonl`` segments, sorted."""
+    out: list[Path] = []
+    for p in paths:
+        path = Path(p)
+        if path.is_dir():
+            segs = sorted(path.glob(SEGMENT_GLOB))
+            if not segs:
+                raise LogFormatError(f"{path}: folder holds no {SEGMENT_GLOB} segments", file=str(path))
+            out.extend(segs)
+        elif path.exists():
+            out.append(path)
+        else:
+            raise LogFormatError(f"{path}: no such file or folder", file=str(path))
+    return out
+
+
+def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | None]:
+    """Decode one JSON Lines file; returns its events and the torn last line, if any."""
+    name = str(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
+    events: list[Event] = []
+    if not data:
+        return events, None
+    torn_tail = not data.endswith(b"\n")
+    lines = data.split(b"\n")
+    if not torn_tail:
+        lines.pop()  # the empty string after the final newline
+    last = len(lines)
+    decode = _decoder.decode
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            if i == last and torn_tail:
+                return events, TornLine(name, i)
+            raise LogFormatError(f"{name}:{i}: empty line", file=name, line=i)
+        if len(line) > MAX_LINE_BYTES:
+            if i == last and torn_tail:
+                return events, TornLine(name, i)
+            raise LogFormatError(f"{name}:{i}: line of {len(line)} bytes exceeds {MAX_LINE_BYTES}", file=name, line=i)
+        try:
+            events.append(decode(line))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if i == last and torn_tail:
+                return events, TornLine(name, i)
+            raise LogFormatError(f"{name}:{i}: {_short(exc)}", file=name, line=i) from None
+        except RecursionError:
+            raise LogFormatError(f"{name}:{i}: nesting too deep", file=name, line=i) from None
+    return events, None
+
+
+def _short(exc: Exception) -> str:
+    msg = str(exc)
+    return msg if len(msg) <= 200 else msg[:200] + "..."
+
+
+def read_segments(paths: Sequence[str | os.PathLike[str]]) -> ReplayResult:
+    """Read and validate files or folders; events per rank in seq order, not folded."""
+    files = expand_paths(paths)
+    by_rank: dict[int, list[tuple[Event, str]]] = {}
+    torn: list[TornLine] = []
+    for f in files:
+        evs, t = read_file(f)
+        if t is not None:
+            torn.append(t)
+        name = str(f)
+        for ev in evs:
+            by_rank.setdefault(ev.rank, []).append((ev, name))
+    ordered: dict[int, list[Event]] = {}
+    for rank, items in by_rank.items():
+        items.sort(key=lambda x: x[0].seq)
+        _check_sequence(rank, items)
+        ordered[rank] = [ev for ev, _ in items]
+    res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, by_rank=ordered)
+    res.events = _merge(ordered)
+    return res
+
+
+def _check_sequence(rank: int, items: list[tuple[Event, str]]) -> None:
+    if not items:
+        return
+    first = items[0][0].seq
+    if first != 0:
+        raise SequenceError(f"rank {rank}: log starts at seq {first} ({items[0][1]}); seqs 0..{first - 1} are missing")
+    prev_seq, prev_file = -1, ""
+    for ev, name in items:
+        if ev.seq == prev_seq:
+            raise SequenceError(f"rank {rank}: duplicate seq {ev.seq} ({prev_file} and {name})")
+        if ev.seq != prev_seq + 1:
+            raise SequenceError(
+                f"rank {rank}: sequence gap: seq {prev_seq} ({prev_file}) is followed by seq {ev.seq} ({name})"
+            )
+        prev_seq, prev_file = ev.seq, name
+
+
+def _merge(by_rank: dict[int, list[Event]]) -> list[Event]:
+    if len(by_rank) == 1:
+        return list(next(iter(by_rank.values())))
+    # each rank keeps its seq order; ranks interleave by time, then rank
+    return list(heapq.merge(*(by_rank[r] for r in sorted(by_rank)), key=lambda e: (e.ts_ns, e.rank)))
+
+
+def replay(source: Any) -> ReplayResult:
+    """Rebuild the bookkeeping from a log.
+
+    ``source``: a path, a folder, a list of them, an :class:`EventLog`, or an
+    iterable of events. Returns the merged history, each rank's
+    :class:`CacheState`, the files read and the torn lines skipped.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        res = read_segments([source])
+    elif isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
+        res = read_segments(source)
+    else:
+        events = source.events() if hasattr(source, "events") and callable(source.events) else source
+        res = _from_events(events)
+    for rank, evs in res.by_rank.items():
+        st = CacheState()
+        for ev in evs:
+            st.apply(ev)
+        res.states[rank] = st
+    return res
+
+
+def _from_events(events: Iterable[Event]) -> ReplayResult:
+    by_rank: dict[int, list[tuple[Event, str]]] = {}
+    for ev in events:
+        by_rank.setdefault(ev.rank, []).append((ev, "<memory>"))
+    ordered: dict[int, list[Event]] = {}
+    for rank, items in by_rank.items():
+        items.sort(key=lambda x: x[0].seq)
+        _check_sequence(rank, items)
+        ordered[rank] = [ev for ev, _ in items]
+    return ReplayResult(events=_merge(ordered), by_rank=ordered)
