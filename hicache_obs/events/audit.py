@@ -27,7 +27,9 @@ from typing import Any
 from .schema import (
     AuditViolation,
     Event,
+    IndicesMoved,
     PoolCreated,
+    Runs,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
@@ -82,11 +84,13 @@ class _InFlight:
 
 
 class _RankAudit:
-    __slots__ = ("tables", "inflight")
+    __slots__ = ("tables", "inflight", "moved")
 
     def __init__(self) -> None:
         self.tables: dict[tuple[str, str], SlotTable] = {}
         self.inflight: dict[int, _InFlight] = {}
+        # values of index tensors moved from the CPU, by (op, pool, role), until submission
+        self.moved: dict[tuple[int, str, str], Runs] = {}
 
 
 class Auditor:
@@ -101,6 +105,7 @@ class Auditor:
             PoolCreated: self._pool_created,
             SlotsAllocated: self._allocated,
             SlotsFreed: self._freed,
+            IndicesMoved: self._moved,
             TransferSubmitted: self._submitted,
             StreamRecorded: self._recorded,
             TransferCompleted: self._completed,
@@ -109,9 +114,15 @@ class Auditor:
 
     # ---------------------------------------------------------------- wiring
     def attach(self, log: Any) -> Auditor:
-        """Audit ``log`` live: subscribe, and append an ``AuditViolation`` per finding."""
+        """Audit ``log`` live: subscribe, and append an ``AuditViolation`` per finding.
+
+        Events the log already holds (a controller's ``PoolCreated``) are audited first.
+        """
         self._emit = log.emit
-        log.subscribe(self.handle)
+        with log._lock:
+            for ev in log.events():
+                self.handle(ev)
+            log.subscribe(self.handle)
         return self
 
     def feed(self, events: Iterable[Event]) -> Auditor:
@@ -208,6 +219,10 @@ class Auditor:
                 seq=ev.seq,
             )
 
+    def _moved(self, ev: IndicesMoved, r: _RankAudit) -> None:
+        if ev.tensor.indices is not None:
+            r.moved[(ev.op, ev.pool, ev.role)] = ev.tensor.indices
+
     def _submitted(self, ev: TransferSubmitted, r: _RankAudit) -> None:
         device = ev.device or next((t.device for t in ev.tensors if t.device != "cpu"), "cpu")
         needs: dict[tuple[str, str], str] = {}
@@ -228,11 +243,12 @@ class Auditor:
                 )
             if t.device != "cpu" and t.numel:
                 needs[(t.pool, t.role)] = t.device
-            if t.indices is not None:
+            values = t.indices if t.indices is not None else r.moved.pop((ev.op, t.pool, t.role), None)
+            if values is not None:
                 tier = "host" if t.role == "host" else "device"
                 table = r.tables.get((t.pool, tier))
                 if table is not None:
-                    bad = table.unallocated(t.indices)
+                    bad = table.unallocated(values)
                     if bad:
                         self._report(
                             "slot_not_allocated",

@@ -9,8 +9,6 @@ index tensor (where it lives, how long, its address) without keeping it alive.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 __all__ = [
@@ -174,20 +172,20 @@ class AuditViolation(Event, frozen=True, kw_only=True):
     direction: str = ""
 
 
-AnyEvent = Union[
-    PoolCreated,
-    SlotsAllocated,
-    SlotsFreed,
-    AllocationFailed,
-    OperationQueued,
-    OperationsMerged,
-    IndicesMoved,
-    StreamRecorded,
-    TransferSubmitted,
-    TransferCompleted,
-    TransferFailed,
-    AuditViolation,
-]
+AnyEvent = (
+    PoolCreated
+    | SlotsAllocated
+    | SlotsFreed
+    | AllocationFailed
+    | OperationQueued
+    | OperationsMerged
+    | IndicesMoved
+    | StreamRecorded
+    | TransferSubmitted
+    | TransferCompleted
+    | TransferFailed
+    | AuditViolation
+)
 
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.__name__: cls

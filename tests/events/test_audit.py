@@ -1,0 +1,177 @@
+"""The auditor: each rule triggered by a real faulty controller, silent on the real one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fill, run_workload
+
+from hicache_obs.core import ModelSpec, PoolTransfer
+from hicache_obs.events import AuditViolation
+from hicache_obs.events.audit import RULES, Auditor, Finding, audit
+from hicache_obs.testing import make_controller
+
+
+def _audited(fault: str | None, spec: ModelSpec | None = None, **kw):
+    c = make_controller(spec, fault=fault, device_size=512, **kw)
+    auditor = Auditor().attach(c.log)
+    return c, auditor
+
+
+def _pairs(findings: list[Finding]) -> set[tuple[str, str, str]]:
+    return {(f.rule, f.pool, f.role) for f in findings}
+
+
+def _hybrid_round_trip(c, *, evict_host_first: bool = False, double_evict: bool = False) -> None:
+    kv = c.alloc_device(32)
+    mb = c.alloc_device(1, pool="mamba")
+    fill(c, "kv", kv, 1)
+    fill(c, "mamba", mb, 2)
+    host, tr = c.write(kv, node_id=7, pool_transfers=[PoolTransfer("mamba", device_indices=mb)])
+    c.poll_writes()
+    c.evict_device(kv)
+    c.evict_device(mb, pool="mamba")
+    if evict_host_first:
+        c.evict_host(host)
+        if double_evict:
+            c.evict_host(host)
+            return
+    c.load(host, node_id=7, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
+    c.start_loading()
+    c.poll_loads()
+
+
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("spec", [ModelSpec.tiny(), ModelSpec.tiny_hybrid(), ModelSpec.tiny_swa()], ids=lambda s: s.name)
+def test_real_controller_is_clean(spec: ModelSpec, backend: str, layout: str) -> None:
+    c, auditor = _audited(None, spec, io_backend=backend, layout=layout)
+    run_workload(c, rounds=4)
+    c.close()
+    assert auditor.finish() == []
+    assert audit(c.log.events()) == []
+    assert not [e for e in c.log.events() if isinstance(e, AuditViolation)]
+
+
+def test_unrecorded_pool_indices_flags_mamba_host_and_device_never_kv() -> None:
+    c, auditor = _audited("unrecorded-pool-indices", io_backend="kernel")
+    _hybrid_round_trip(c)
+    found = auditor.finish()
+    assert _pairs(found) == {("unrecorded_index", "mamba", "device"), ("unrecorded_index", "mamba", "host")}
+    assert {f.direction for f in found} == {"d2h", "h2d"}
+    assert {f.stream for f in found} == {"hicache-write", "hicache-load"}
+    for f in found:
+        assert "without record_stream" in f.detail and f.stream in f.detail
+    violations = [e for e in c.log.events() if isinstance(e, AuditViolation)]
+    assert len(violations) == len(found) == 4
+    assert all(v.pool == "mamba" for v in violations)
+
+
+def test_unmoved_pool_indices_flags_the_pools_host_indices() -> None:
+    c, auditor = _audited("unmoved-pool-indices", io_backend="kernel")
+    _hybrid_round_trip(c)
+    found = auditor.finish()
+    assert ("index_not_on_device", "mamba", "host") in _pairs(found)
+    assert not [f for f in found if f.pool == "kv"]
+    assert all(f.rule == "index_not_on_device" for f in found)
+    # the kernel refused the CPU indices: both transfers failed, as SGLang's kernel raises
+    failed = [e for e in c.log.events() if type(e).__name__ == "TransferFailed"]
+    assert len(failed) == 2 and "Destination indices must be a device tensor" in failed[0].error
+
+
+def test_host_indices_not_moved_flags_kv_host() -> None:
+    c, auditor = _audited("host-indices-not-moved", ModelSpec.tiny(), io_backend="kernel")
+    run_workload(c, rounds=1)
+    assert _pairs(auditor.finish()) == {("index_not_on_device", "kv", "host")}
+
+
+def test_length_mismatch() -> None:
+    c, auditor = _audited("length-mismatch", ModelSpec.tiny(), io_backend="kernel")
+    run_workload(c, rounds=1)
+    found = auditor.finish()
+    assert ("length_mismatch", "kv", "*") in _pairs(found)
+    assert "32 host indices vs 31 device indices" in next(f for f in found if f.rule == "length_mismatch").detail
+
+
+def test_use_after_free_is_slot_not_allocated() -> None:
+    c, auditor = _audited("use-after-free", io_backend="kernel")
+    _hybrid_round_trip(c, evict_host_first=True)
+    found = auditor.finish()
+    assert ("slot_not_allocated", "kv", "host") in _pairs(found)
+    assert {f.rule for f in found} == {"slot_not_allocated"}
+    f = next(f for f in found if f.pool == "kv")
+    assert "host slots [0, 1, 2" in f.detail
+
+
+def test_double_free() -> None:
+    c, auditor = _audited("double-free", io_backend="kernel")
+    _hybrid_round_trip(c, evict_host_first=True, double_evict=True)
+    found = auditor.finish()
+    assert _pairs(found) == {("double_free", "kv", "host")}
+    assert "already free" in found[0].detail
+
+
+def test_incomplete_operation_at_log_end() -> None:
+    c, auditor = _audited(None, ModelSpec.tiny())
+    kv = c.alloc_device(32)
+    c.write(kv, node_id=1)  # submitted, never polled: the process "died" here
+    found = audit(c.log.events())
+    assert [(f.rule, f.op) for f in found] == [("incomplete_operation", 0)]
+    assert "never completed" in found[0].detail
+    assert auditor.finish() == found
+
+
+@pytest.mark.parametrize(
+    "fault", ["unrecorded-pool-indices", "unmoved-pool-indices", "host-indices-not-moved", "length-mismatch", "use-after-free"]
+)
+def test_live_and_offline_audits_agree(fault: str) -> None:
+    c, auditor = _audited(fault, io_backend="kernel")
+    _hybrid_round_trip(c, evict_host_first=(fault == "use-after-free"))
+    run_workload(c, rounds=2) if fault != "use-after-free" else None
+    live = auditor.finish()
+    offline = audit(c.log.events())
+    assert live, "the fault must produce findings"
+    assert [f.key() for f in live] == [f.key() for f in offline]
+    assert [f.detail for f in live] == [f.detail for f in offline]
+
+
+def test_every_rule_is_covered_by_a_fault() -> None:
+    seen: set[str] = set()
+    for fault, kw in [
+        ("unrecorded-pool-indices", {}),
+        ("unmoved-pool-indices", {}),
+        ("length-mismatch", {}),
+        ("use-after-free", {"evict_host_first": True}),
+        ("double-free", {"evict_host_first": True, "double_evict": True}),
+    ]:
+        c, auditor = _audited(fault)
+        _hybrid_round_trip(c, **kw)
+        seen |= {f.rule for f in auditor.finish()}
+    c, _ = _audited(None)
+    c.write(c.alloc_device(32), node_id=0, pool_transfers=[])
+    seen |= {f.rule for f in audit(c.log.events())}
+    assert seen == set(RULES)
+
+
+def test_unrecorded_fault_corrupts_data_that_the_real_controller_keeps() -> None:
+    def scenario(fault: str | None) -> bool:
+        c = make_controller(fault=fault, device_size=512, io_backend="kernel")
+        kv = c.alloc_device(32)
+        mb = c.alloc_device(2, pool="mamba")
+        want = fill(c, "mamba", mb, 5)
+        host, tr = c.write(kv, node_id=1, pool_transfers=[PoolTransfer("mamba", device_indices=mb)])
+        c.poll_writes()
+        c.evict_device(kv)
+        c.evict_device(mb, pool="mamba")
+        del kv, mb
+        dev, tr2 = c.load(host, node_id=1, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
+        c.start_loading()
+        # allocation pressure: new index tensors of the same size take the freed blocks
+        pressure = [c.runtime.to_device(torch.full((2,), 7, dtype=torch.int64)) for _ in range(4)]
+        c.poll_loads()
+        got = c.device_pool("mamba").read_slots(tr2[0].device_indices)
+        del pressure
+        return all(torch.equal(got[k], want[k]) for k in want)
+
+    assert scenario(None) is True
+    assert scenario("unrecorded-pool-indices") is False

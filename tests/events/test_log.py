@@ -1,0 +1,196 @@
+"""The in-memory log: gap-free seq, subscriber order, bounds, and sink isolation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hicache_obs.errors import ConfigError, SequenceError
+from hicache_obs.events import AllocationFailed, AuditViolation, EventLog, ListSink, SlotsFreed
+from hicache_obs.events.sinks import SinkRunner
+
+
+def _emit_n(log: EventLog, n: int) -> None:
+    for i in range(n):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+
+
+def test_seq_is_gap_free_and_header_is_stamped() -> None:
+    log = EventLog(rank=3)
+    _emit_n(log, 5)
+    evs = log.events()
+    assert [e.seq for e in evs] == [0, 1, 2, 3, 4]
+    assert all(e.rank == 3 for e in evs)
+    assert all(e.ts_ns > 0 for e in evs)
+    assert [e.ts_ns for e in evs] == sorted(e.ts_ns for e in evs)
+
+
+def test_events_are_frozen() -> None:
+    log = EventLog()
+    ev = log.emit(SlotsFreed, pool="kv", tier="host", indices=((0, 4),))
+    with pytest.raises(AttributeError):
+        ev.pool = "mamba"  # type: ignore[misc]
+
+
+def test_append_rejects_a_seq_out_of_order() -> None:
+    log = EventLog()
+    _emit_n(log, 2)
+    bad = AllocationFailed(seq=5, ts_ns=1, pool="kv", tier="host", requested=1, available=0)
+    with pytest.raises(SequenceError, match="seq 5 appended where seq 2 was expected"):
+        log.append(bad)
+    assert len(log) == 2
+    ok = AllocationFailed(seq=2, ts_ns=1, pool="kv", tier="host", requested=1, available=0)
+    assert log.append(ok) is ok
+
+
+def test_bound_evicts_oldest_and_counts_overflow() -> None:
+    log = EventLog(capacity=3)
+    seen: list[int] = []
+    log.subscribe(lambda e: seen.append(e.seq))
+    _emit_n(log, 5)
+    assert [e.seq for e in log.events()] == [2, 3, 4]
+    assert log.overflowed == 2
+    assert seen == [0, 1, 2, 3, 4]  # subscribers still see every event
+
+
+def test_reentrant_emit_is_delivered_after_the_current_event() -> None:
+    log = EventLog()
+    first: list[int] = []
+    second: list[int] = []
+
+    def auditor(ev: object) -> None:
+        first.append(ev.seq)  # type: ignore[attr-defined]
+        if isinstance(ev, AllocationFailed):
+            log.emit(AuditViolation, op=-1, rule="x", pool="kv", role="host", detail="d")
+
+    log.subscribe(auditor)
+    log.subscribe(lambda e: second.append(e.seq))
+    _emit_n(log, 2)
+    assert first == [0, 1, 2, 3]
+    assert second == [0, 1, 2, 3]  # every subscriber sees log order
+
+
+def test_a_raising_subscriber_is_counted_and_isolated() -> None:
+    log = EventLog()
+    got: list[int] = []
+
+    def boom(ev: object) -> None:
+        raise RuntimeError("subscriber bug")
+
+    log.subscribe(boom)
+    log.subscribe(lambda e: got.append(e.seq))
+    _emit_n(log, 3)
+    assert got == [0, 1, 2]
+    assert sum(log.subscriber_errors.values()) == 3
+
+
+def test_unsubscribe() -> None:
+    log = EventLog()
+    got: list[int] = []
+    unsub = log.subscribe(lambda e: got.append(e.seq))
+    _emit_n(log, 1)
+    unsub()
+    _emit_n(log, 1)
+    assert got == [0]
+
+
+def test_sink_gets_backfill_and_every_later_event_in_order() -> None:
+    log = EventLog()
+    _emit_n(log, 3)
+    sink = ListSink()
+    runner = log.add_sink(sink)
+    _emit_n(log, 100)
+    log.flush()
+    assert [e.seq for e in sink.events] == list(range(103))
+    log.close()
+    assert sink.closed
+    assert runner.stats()["dropped"] == 0
+
+
+class _Slow:
+    name = "slow"
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.handled = 0
+
+    def handle(self, ev: object) -> None:
+        time.sleep(self.delay)
+        self.handled += 1
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_drop_policy_counts_every_drop_and_never_blocks() -> None:
+    log = EventLog()
+    sink = _Slow(0.01)
+    runner = log.add_sink(sink, max_queue=10, policy="drop")
+    t0 = time.perf_counter()
+    _emit_n(log, 500)
+    elapsed = time.perf_counter() - t0
+    runner.close(timeout=5)
+    st = runner.stats()
+    assert st["offered"] == 500
+    assert st["handled"] + st["dropped"] == 500
+    assert st["dropped"] > 0
+    assert sink.handled == st["handled"]
+    # the producer never waited for the sink (500 * 10 ms would be 5 s)
+    assert elapsed < 2.5
+
+
+def test_block_policy_loses_nothing() -> None:
+    log = EventLog()
+    sink = ListSink()
+    runner = log.add_sink(sink, max_queue=8, policy="block", block_timeout=5.0)
+    _emit_n(log, 2000)
+    log.close()
+    assert runner.stats()["dropped"] == 0
+    assert [e.seq for e in sink.events] == list(range(2000))
+
+
+def test_raising_sink_counts_errors_and_drops() -> None:
+    class Boom:
+        name = "boom"
+
+        def handle(self, ev: object) -> None:
+            raise ValueError("broken exporter")
+
+        def flush(self) -> None: ...
+
+        def close(self) -> None: ...
+
+    log = EventLog()
+    runner = log.add_sink(Boom())
+    _emit_n(log, 50)
+    log.close()
+    st = runner.stats()
+    assert st["errors"] >= 1
+    assert st["dropped"] == 50
+    assert st["handled"] == 0
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="'sometimes'"):
+        SinkRunner(ListSink(), policy="sometimes")
+
+
+def test_concurrent_emitters_get_unique_gap_free_seqs() -> None:
+    log = EventLog()
+    sink = ListSink()
+    log.add_sink(sink, policy="block")
+
+    def worker() -> None:
+        _emit_n(log, 500)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+    assert sorted(e.seq for e in log.events()) == list(range(2000))
+    assert [e.seq for e in sink.events] == list(range(2000))
