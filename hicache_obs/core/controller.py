@@ -315,7 +315,10 @@ class HiCacheController:
         """Free device slots (eviction of a node from the device). Returns the count."""
         with self._lock:
             self._check_open()
-            values = self._validate(device_indices, arg="device_indices", pool=pool, tier="device", allow_empty=True)
+            # allocation is checked by the allocator's free, which tells a double free apart
+            values = self._validate(
+                device_indices, arg="device_indices", pool=pool, tier="device", allow_empty=True, must_be_allocated=False
+            )
             if values is None:
                 values = self.runtime.to_host(device_indices).tolist()
             return self._alloc(pool, "device").free(values, reason=reason, arg="device_indices")
@@ -328,7 +331,9 @@ class HiCacheController:
         """Free host slots of nodes no longer kept on the host. Returns the count."""
         with self._lock:
             self._check_open()
-            values = self._validate(host_indices, arg="host_indices", pool=pool, tier="host", allow_empty=True)
+            values = self._validate(
+                host_indices, arg="host_indices", pool=pool, tier="host", allow_empty=True, must_be_allocated=False
+            )
             assert values is not None
             return self._alloc(pool, "host").free(values, reason="evict", arg="host_indices")
 
@@ -532,6 +537,7 @@ class HiCacheController:
         device indices permuted alike (pairs stay together).
         ``direct`` + ``page_first``/``page_first_direct``: device indices to the CPU.
         """
+        self._check_open()
         rt = self.runtime
         if host_indices.numel() != device_indices.numel():
             raise LengthMismatchError(
@@ -645,6 +651,7 @@ class HiCacheController:
             slots_by_pool=slots,
             bytes_by_pool=bytes_by_pool,
             producer_id=producer_id,
+            device=rt.device,
         )
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
         ack = _PendingAck(op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id)
@@ -736,6 +743,7 @@ class HiCacheController:
         from ..events.schema import TransferCompleted, TransferFailed
 
         with self._lock:
+            self._check_open()
             out: list[Ack] = []
             q = self._acks[direction]
             while q:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fill, run_workload
+from event_workloads import fill, run_workload
 
 from hicache_obs.core import ModelSpec, PoolTransfer
 from hicache_obs.events import AuditViolation

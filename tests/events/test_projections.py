@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import run_workload
+from event_workloads import run_workload
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import OperationsMerged

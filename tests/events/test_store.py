@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import run_workload
+from event_workloads import run_workload
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import LogFormatError, SequenceError

@@ -1,4 +1,4 @@
-"""Shared drivers for the event-log tests: small real workloads on a controller."""
+"""Small real workloads on a controller, shared by the event-log tests."""
 
 from __future__ import annotations
 
