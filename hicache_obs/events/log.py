@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from time import time_ns as _time_ns
 from typing import Any, TypeVar
 
 from ..errors import SequenceError
@@ -45,6 +45,7 @@ class EventLog:
         self.rank = rank
         self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)
+        self._cap = capacity if capacity is not None else -1
         self._seq = 0
         self.overflowed = 0
         self._subscribers: list[Subscriber] = []
@@ -59,9 +60,27 @@ class EventLog:
     def emit(self, cls: type[E], **fields: Any) -> E:
         """Create, append and deliver one event of type ``cls``."""
         with self._lock:
-            ev = cls(seq=self._seq, ts_ns=time.time_ns(), rank=self.rank, **fields)
-            self._seq += 1
-            self._store(ev)
+            seq = self._seq
+            self._seq = seq + 1
+            ev = cls(seq=seq, ts_ns=_time_ns(), rank=self.rank, **fields)
+            events = self._events
+            if len(events) == self._cap:
+                self.overflowed += 1
+            events.append(ev)
+            if self._dispatching:
+                self._pending.append(ev)
+                return ev
+            self._dispatching = True
+            try:
+                for fn in self._subscribers:
+                    try:
+                        fn(ev)
+                    except Exception:
+                        self._subscriber_failed(fn, ev)
+                if self._pending:
+                    self._drain_pending()
+            finally:
+                self._dispatching = False
             return ev
 
     def append(self, event: E) -> E:
@@ -78,7 +97,7 @@ class EventLog:
 
     def _store(self, ev: Event) -> None:
         events = self._events
-        if self.capacity is not None and len(events) == self.capacity:
+        if len(events) == self._cap:
             self.overflowed += 1
         events.append(ev)
         if self._dispatching:
@@ -87,20 +106,26 @@ class EventLog:
         self._dispatching = True
         try:
             self._deliver(ev)
-            pending = self._pending
-            while pending:
-                self._deliver(pending.popleft())
+            self._drain_pending()
         finally:
             self._dispatching = False
+
+    def _drain_pending(self) -> None:
+        pending = self._pending
+        while pending:
+            self._deliver(pending.popleft())
 
     def _deliver(self, ev: Event) -> None:
         for fn in self._subscribers:
             try:
                 fn(ev)
             except Exception:  # a subscriber must not break the hot path
-                name = getattr(fn, "__qualname__", repr(fn))
-                self._subscriber_errors[name] = self._subscriber_errors.get(name, 0) + 1
-                _log.exception("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq)
+                self._subscriber_failed(fn, ev)
+
+    def _subscriber_failed(self, fn: Subscriber, ev: Event) -> None:
+        name = getattr(fn, "__qualname__", repr(fn))
+        self._subscriber_errors[name] = self._subscriber_errors.get(name, 0) + 1
+        _log.exception("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq)
 
     # ------------------------------------------------------------ subscribers
     def subscribe(self, fn: Subscriber, *, first: bool = False) -> Callable[[], None]:

@@ -49,7 +49,7 @@ TIERS = ("device", "host")
 ROLES = ("host", "device")
 
 
-class TensorRef(msgspec.Struct, frozen=True, array_like=False, omit_defaults=True):
+class TensorRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """Where an index tensor lives and what it holds, without holding it.
 
     ``indices`` is set only when the values were on the CPU already; reading a
@@ -65,7 +65,7 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=False, omit_defaults=Tru
     indices: Runs | None = None
 
 
-class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True, gc=False):
     """Base of every event: the header fields."""
 
     seq: int
