@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,40 +79,75 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return out
 
 
+_CHUNK = 8 << 20
+
+
+def _lines(fh: Any) -> Iterator[tuple[int, bytes | None, bool]]:
+    """Yield ``(line number, line without newline, had newline)``; an overlong line is None.
+
+    Reads in chunks and never holds more than one chunk plus ``MAX_LINE_BYTES``.
+    """
+    buf = b""
+    lineno = 0
+    skipping = False  # inside an overlong line: discard until its newline
+    while True:
+        chunk = fh.read(_CHUNK)
+        if not chunk:
+            break
+        if skipping:
+            nl = chunk.find(b"\n")
+            if nl == -1:
+                continue
+            lineno += 1
+            yield lineno, None, True
+            skipping = False
+            chunk = chunk[nl + 1 :]
+        buf = buf + chunk if buf else chunk
+        parts = buf.split(b"\n")
+        buf = parts.pop()
+        for part in parts:
+            lineno += 1
+            yield lineno, (part if len(part) <= MAX_LINE_BYTES else None), True
+        if len(buf) > MAX_LINE_BYTES:
+            buf = b""
+            skipping = True
+    if skipping:
+        yield lineno + 1, None, False
+    elif buf:
+        yield lineno + 1, buf, False
+
+
 def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | None]:
-    """Decode one JSON Lines file; returns its events and the torn last line, if any."""
+    """Decode one JSON Lines file; returns its events and the torn last line, if any.
+
+    A last line without its newline is torn (the writer always ends a line with one):
+    it is reported and skipped, never decoded.
+    """
     name = str(path)
+    events: list[Event] = []
+    decode = _decoder.decode
+    append = events.append
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        fh = open(path, "rb")
     except OSError as exc:
         raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
-    events: list[Event] = []
-    if not data:
-        return events, None
-    torn_tail = not data.endswith(b"\n")
-    lines = data.split(b"\n")
-    if not torn_tail:
-        lines.pop()  # the empty string after the final newline
-    last = len(lines)
-    decode = _decoder.decode
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            if i == last and torn_tail:
-                return events, TornLine(name, i)
-            raise LogFormatError(f"{name}:{i}: empty line", file=name, line=i)
-        if len(line) > MAX_LINE_BYTES:
-            if i == last and torn_tail:
-                return events, TornLine(name, i)
-            raise LogFormatError(f"{name}:{i}: line of {len(line)} bytes exceeds {MAX_LINE_BYTES}", file=name, line=i)
+    with fh:
         try:
-            events.append(decode(line))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            if i == last and torn_tail:
-                return events, TornLine(name, i)
-            raise LogFormatError(f"{name}:{i}: {_short(exc)}", file=name, line=i) from None
-        except RecursionError:
-            raise LogFormatError(f"{name}:{i}: nesting too deep", file=name, line=i) from None
+            for i, line, had_newline in _lines(fh):
+                if not had_newline:
+                    return events, TornLine(name, i)
+                if line is None:
+                    raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
+                try:
+                    append(decode(line))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    if not line.strip():
+                        raise LogFormatError(f"{name}:{i}: empty line", file=name, line=i) from None
+                    raise LogFormatError(f"{name}:{i}: {_short(exc)}", file=name, line=i) from None
+                except RecursionError:
+                    raise LogFormatError(f"{name}:{i}: nesting too deep", file=name, line=i) from None
+        except OSError as exc:
+            raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
     return events, None
 
 

@@ -164,7 +164,7 @@ def test_unrecorded_fault_corrupts_data_that_the_real_controller_keeps() -> None
         c.evict_device(kv)
         c.evict_device(mb, pool="mamba")
         del kv, mb
-        dev, tr2 = c.load(host, node_id=1, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
+        _dev, tr2 = c.load(host, node_id=1, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
         c.start_loading()
         # allocation pressure: new index tensors of the same size take the freed blocks
         pressure = [c.runtime.to_device(torch.full((2,), 7, dtype=torch.int64)) for _ in range(4)]

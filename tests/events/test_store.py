@@ -134,7 +134,7 @@ def test_sequence_gap_and_duplicate_are_named(tmp_path: Path) -> None:
     gap = tmp_path / "gap"
     gap.mkdir()
     (gap / "events-0-00000.jsonl").write_bytes(b"".join(lines[:5] + lines[6:]))
-    with pytest.raises(SequenceError, match="sequence gap: seq 4 .* is followed by seq 6"):
+    with pytest.raises(SequenceError, match=r"sequence gap: seq 4 .* is followed by seq 6"):
         replay(gap)
     dup = tmp_path / "dup"
     dup.mkdir()
