@@ -190,7 +190,8 @@ def test_two_ranks_replay_into_one_ordered_history(tmp_path: Path) -> None:
     assert sum(isinstance(e, TransferCompleted) for e in res.events) == 12
 
 
-def test_write_failure_is_counted_and_earlier_events_survive(tmp_path: Path) -> None:
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_disk_is_counted_and_earlier_events_survive(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     log = EventLog()
     runner = open_store(log, tmp_path, max_bytes=1 << 30)
     c = make_controller(ModelSpec.tiny(), log=log, device_size=512)
@@ -198,8 +199,9 @@ def test_write_failure_is_counted_and_earlier_events_survive(tmp_path: Path) -> 
     log.flush()
     written = len(log)
     store = runner.sink
-    os.close(store._fd)  # the disk goes away under the store: every write now fails
-    store._fd = os.open(os.devnull, os.O_RDONLY)
+    # the disk fills up under the store: every later write fails with ENOSPC
+    os.close(store._fd)
+    store._fd = os.open("/dev/full", os.O_WRONLY)
     run_workload(c, rounds=1)  # the controller keeps serving
     log.flush()
     c.close()
@@ -209,3 +211,4 @@ def test_write_failure_is_counted_and_earlier_events_survive(tmp_path: Path) -> 
     assert st["dropped"] == len(log) - written
     assert store.events_lost == len(log) - written
     assert replay(store.paths[0]).events == log.events()[:written]
+    assert "No space left on device" in caplog.text
