@@ -7,7 +7,7 @@ Operations:
 - ``subscribe(fn)``: a synchronous subscriber, called inline in log order
   (bookkeeping folds, the live auditor); returns an unsubscribe callable
 - ``add_sink(sink)``: an asynchronous :class:`~hicache_obs.events.sinks.Sink`,
-  fed in batches by a worker thread through a bounded queue
+  fed in batches by a worker thread that reads the log's ring of recent events
 - ``events()``: the events still retained; ``overflowed``: how many the bound evicted
 
 Events emitted while subscribers run (an auditor's violation) are delivered after
@@ -41,8 +41,17 @@ class EventLog:
     counted in ``overflowed``); subscribers and sinks still see every event.
     """
 
-    def __init__(self, *, rank: int = 0, capacity: int | None = 1_000_000) -> None:
+    def __init__(self, *, rank: int = 0, capacity: int | None = 1_000_000, ring_size: int = 1 << 16) -> None:
+        if ring_size < 1 << 12 or ring_size & (ring_size - 1):
+            from ..errors import ConfigError
+
+            raise ConfigError(f"ring_size must be a power of two >= 4096, got {ring_size}")
         self.rank = rank
+        self.ring_size = ring_size
+        self._mask = ring_size - 1
+        self._ring: list[Any] = [None] * ring_size
+        self.published = 0  # events stored in the ring; sinks read seqs below it
+        self._blocking: list[Any] = []
         self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)
         self._cap = capacity if capacity is not None else -1
@@ -67,6 +76,11 @@ class EventLog:
             if len(events) == self._cap:
                 self.overflowed += 1
             events.append(ev)
+            if self._blocking:
+                for runner in self._blocking:
+                    runner.wait_for_room()
+            self._ring[seq & self._mask] = ev
+            self.published = seq + 1
             if self._dispatching:
                 self._pending.append(ev)
                 return ev
@@ -100,6 +114,10 @@ class EventLog:
         if len(events) == self._cap:
             self.overflowed += 1
         events.append(ev)
+        for runner in self._blocking:
+            runner.wait_for_room()
+        self._ring[ev.seq & self._mask] = ev
+        self.published = ev.seq + 1
         if self._dispatching:
             self._pending.append(ev)
             return
@@ -146,18 +164,17 @@ class EventLog:
     def add_sink(self, sink: Any, *, backfill: bool = True, **runner_options: Any) -> Any:
         """Feed ``sink`` events from a worker thread (see :class:`SinkRunner`).
 
-        With ``backfill`` the sink first gets the events the log still retains, so a
-        sink attached after the controller was built still sees its ``PoolCreated``.
+        With ``backfill`` the sink first gets the recent events the ring still holds,
+        so a sink attached after the controller was built still sees its ``PoolCreated``.
         """
         from .sinks import SinkRunner
 
-        runner = SinkRunner(sink, **runner_options)
         with self._lock:
-            if backfill:
-                for ev in self._events:
-                    runner.offer(ev)
+            start = max(0, self.published - self.ring_size // 2) if backfill else self.published
+            runner = SinkRunner(sink, self, start_seq=start, **runner_options)
             self._sinks.append(runner)
-            self._subscribers.append(runner.offer)
+            if runner.policy == "block":
+                self._blocking.append(runner)
         return runner
 
     @property

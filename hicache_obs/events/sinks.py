@@ -6,9 +6,11 @@ A sink is any object with these operations (the :class:`Sink` protocol):
 - ``flush()``: make what was handled durable/visible
 - ``close()``: release resources; called once
 
-:class:`SinkRunner` feeds a sink from a bounded queue on a worker thread. When
-the queue is full it drops (policy ``"drop"``) or blocks the producer up to
-``block_timeout`` seconds and then drops (policy ``"block"``). Every drop and every
+:class:`SinkRunner` feeds a sink on a worker thread that reads the log's ring of
+recent events in batches, so the producer does no per-sink work. When a runner
+falls more than ``max_queue`` events behind it drops the oldest (policy
+``"drop"``) or blocks the producer up to ``block_timeout`` seconds and then drops
+(policy ``"block"``). Every drop and every
 exception a sink raises is counted (``dropped``, ``errors``) and logged; nothing
 raises into the controller. A batch the sink raised on counts as one error
 and as ``len(batch)`` drops.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from typing import Any, Protocol, runtime_checkable
 
 from .schema import Event
@@ -67,11 +68,19 @@ class ListSink:
 
 
 class SinkRunner:
-    """Runs one sink on a worker thread behind a bounded queue (see module doc)."""
+    """Runs one sink on a worker thread that pulls batches from its log (see module doc).
+
+    The producer pays nothing per sink: each event is stored once in the log's ring
+    and every runner reads the ring at its own pace. A runner that falls more than
+    ``max_queue`` events behind drops the oldest it has not handled (policy
+    ``"drop"``, counted) or makes the producer wait up to ``block_timeout`` seconds
+    first (policy ``"block"``).
+    """
 
     def __init__(
         self,
         sink: Any,
+        log: Any,
         *,
         name: str | None = None,
         max_queue: int = 100_000,
@@ -79,73 +88,90 @@ class SinkRunner:
         block_timeout: float = 1.0,
         batch_size: int = 4096,
         interval: float = 0.005,
+        start_seq: int | None = None,
     ) -> None:
         if policy not in ("drop", "block"):
             from ..errors import ConfigError
 
             raise ConfigError(f"sink queue policy {policy!r} is not 'drop' or 'block'")
         self.sink = sink
+        self.log = log
         self.name = name or getattr(sink, "name", None) or type(sink).__name__
-        self.max_queue = max_queue
+        self.max_queue = max(1, min(max_queue, log.ring_size - batch_size))
         self.policy = policy
         self.block_timeout = block_timeout
         self.batch_size = batch_size
         self.interval = interval
-        self.offered = 0
+        self.start_seq = log.published if start_seq is None else start_seq
+        self.next = self.start_seq  # the next seq this runner hands to the sink
         self.handled = 0
         self.dropped = 0
         self.errors = 0
-        self._buf: deque[Event] = deque()
-        self._cv = threading.Condition()
-        self._busy = False
+        self._wake = threading.Event()
+        self._idle = threading.Event()
         self._stop = False
         self._closed = False
+        self._stopped_at: int | None = None
         self._batch = getattr(sink, "handle_batch", None)
         self._thread = threading.Thread(target=self._run, name=f"hicache-sink-{self.name}", daemon=True)
         self._thread.start()
 
+    @property
+    def offered(self) -> int:
+        end = self._stopped_at if self._stopped_at is not None else self.log.published
+        return end - self.start_seq
+
+    def lag(self) -> int:
+        return self.log.published - self.next
+
     # ------------------------------------------------------- producer side
-    def offer(self, event: Event) -> None:
-        """Queue one event; never raises, never blocks longer than the policy allows."""
-        self.offered += 1
-        buf = self._buf
-        if self._stop:
-            self.dropped += 1
+    def wait_for_room(self) -> None:
+        """Called by the log before it publishes, for ``block`` runners only."""
+        if self.log.published - self.next < self.max_queue or self._stop:
             return
-        if len(buf) >= self.max_queue:
-            if self.policy == "block":
-                deadline = time.monotonic() + self.block_timeout
-                while len(buf) >= self.max_queue and time.monotonic() < deadline and not self._stop:
-                    with self._cv:
-                        self._cv.notify_all()
-                    time.sleep(0.0005)
-            if len(buf) >= self.max_queue:
-                self.dropped += 1
-                if self.dropped == 1 or self.dropped % 10_000 == 0:
-                    _log.warning("sink %s queue full: %d events dropped so far", self.name, self.dropped)
-                return
-        buf.append(event)
+        self._wake.set()
+        deadline = time.monotonic() + self.block_timeout
+        while self.log.published - self.next >= self.max_queue and not self._stop:
+            if time.monotonic() >= deadline:
+                return  # the worker will count what it cannot keep as dropped
+            time.sleep(0.0002)
 
     # --------------------------------------------------------- worker side
     def _run(self) -> None:
-        buf = self._buf
+        log = self.log
+        ring = log._ring
+        mask = log._mask
         while True:
-            with self._cv:
-                if not buf and not self._stop:
-                    self._cv.wait(self.interval)
-                if not buf and self._stop:
-                    self._cv.notify_all()
+            pub = log.published
+            nxt = self.next
+            if nxt >= pub:
+                if self._stop:
                     return
-                self._busy = True
-            try:
-                while buf:
-                    n = min(len(buf), self.batch_size)
-                    batch = [buf.popleft() for _ in range(n)]
-                    self._handle(batch)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+                self._idle.set()
+                self._wake.wait(self.interval)
+                self._wake.clear()
+                continue
+            self._idle.clear()
+            lag = pub - nxt
+            if lag > self.max_queue:
+                lost = lag - self.max_queue
+                self._drop(lost)
+                nxt += lost
+            end = min(pub, nxt + self.batch_size)
+            batch = [ring[i & mask] for i in range(nxt, end)]
+            # the producer may have lapped the ring while we read: keep what is intact
+            if batch[0].seq != nxt or batch[-1].seq != end - 1:
+                good = [ev for i, ev in enumerate(batch) if ev.seq == nxt + i]
+                self._drop(len(batch) - len(good))
+                batch = good
+            self.next = end
+            if batch:
+                self._handle(batch)
+
+    def _drop(self, n: int) -> None:
+        self.dropped += n
+        if n and (self.dropped == n or self.dropped // 10_000 != (self.dropped - n) // 10_000):
+            _log.warning("sink %s fell behind: %d events dropped so far", self.name, self.dropped)
 
     def _handle(self, batch: list[Event]) -> None:
         try:
@@ -163,17 +189,18 @@ class SinkRunner:
             _log.exception("sink %s failed on a batch of %d events", self.name, len(batch))
 
     def flush(self, timeout: float | None = 10.0) -> bool:
-        """Wait until the queue is empty and the sink flushed; False on timeout."""
+        """Wait until the sink handled every event published so far, then flush it; False on timeout."""
+        target = self.log.published
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            self._cv.notify_all()
-            while self._buf or self._busy:
-                if not self._thread.is_alive():
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cv.wait(0.01 if remaining is None else min(0.01, remaining))
+        while self.next < target or (self.next >= target and not self._idle.is_set() and self._thread.is_alive()):
+            if not self._thread.is_alive():
+                break
+            if self.next >= target and self._idle.is_set():
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            self._idle.wait(0.005)
         try:
             self.sink.flush()
         except Exception:
@@ -182,19 +209,19 @@ class SinkRunner:
         return True
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Deliver what is queued, flush, stop the worker and close the sink."""
+        """Deliver what is published, flush, stop the worker and close the sink."""
         if self._closed:
             return
         self._closed = True
-        done = self.flush(timeout)
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
+        self.flush(timeout)
+        self._stopped_at = self.log.published
+        self._stop = True
+        self._wake.set()
         self._thread.join(timeout)
-        left = len(self._buf)
-        if left or not done:
+        left = self._stopped_at - self.next
+        if left > 0:
             self.dropped += left
-            self._buf.clear()
+            self.next = self._stopped_at
         try:
             self.sink.close()
         except Exception:
@@ -216,5 +243,5 @@ class SinkRunner:
             "handled": self.handled,
             "dropped": self.dropped,
             "errors": self.errors,
-            "queued": len(self._buf),
+            "queued": max(0, (self._stopped_at or self.log.published) - self.next),
         }

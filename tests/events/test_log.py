@@ -9,7 +9,6 @@ import pytest
 
 from hicache_obs.errors import ConfigError, SequenceError
 from hicache_obs.events import AllocationFailed, AuditViolation, EventLog, ListSink, SlotsFreed
-from hicache_obs.events.sinks import SinkRunner
 
 
 def _emit_n(log: EventLog, n: int) -> None:
@@ -175,7 +174,7 @@ def test_raising_sink_counts_errors_and_drops() -> None:
 
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ConfigError, match="'sometimes'"):
-        SinkRunner(ListSink(), policy="sometimes")
+        EventLog().add_sink(ListSink(), policy="sometimes")
 
 
 def test_concurrent_emitters_get_unique_gap_free_seqs() -> None:
