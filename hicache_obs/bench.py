@@ -120,7 +120,7 @@ def _sample_events(n: int) -> list[Any]:
     Workload(c, seed=1).run(60)
     c.close()
     base = log.events()
-    out = []
+    out: list[Any] = []
     seq = 0
     while len(out) < n:
         for ev in base:

@@ -1,0 +1,513 @@
+"""Prometheus metrics computed from the event log, and a loopback ``/metrics`` server.
+
+:class:`PrometheusSink` is a batch sink (``handle``, ``handle_batch``, ``flush``,
+``close``): attach it with ``log.add_sink(sink)`` so it runs on the log's worker
+thread, never on the controller's. It keeps plain counters and registers one
+collector in a :class:`~prometheus_client.CollectorRegistry` (a fresh one unless
+you pass yours; the global registry is never touched). The names, types and labels
+are those of :mod:`hicache_obs.exporters.metric_names` (DESIGN.md, plus
+``hicache_evictions_total`` and ``hicache_evicted_slots_total``). Label children of the
+known pools, directions, roles, tiers, statuses, audit rules and event types exist
+from the start, so e.g. ``hicache_unrecorded_indices_total{pool="mamba",...}``
+reads 0 instead of missing. ``hicache_events_dropped_total`` and
+``hicache_exporter_errors_total`` are read at scrape time from the
+:class:`~hicache_obs.events.sinks.SinkRunner`\\ s of the ``log`` you pass.
+
+What counts where:
+
+- ``operations_total{status="submitted"|"completed"|"failed"}``: ``TransferSubmitted`` /
+  ``TransferCompleted`` / ``TransferFailed``; ``transfers_in_flight``: submitted, not
+  finished;
+- ``transfer_slots_total``/``transfer_bytes_total``: at completion, from the op's
+  ``TransferSubmitted.slots_by_pool``/``bytes_by_pool`` (failed ops move nothing);
+- ``transfer_duration_seconds``: ``TransferCompleted.duration_ns`` (device-event
+  timing); when the runtime did not time it, completion minus submission;
+- ``queue_wait_seconds``: submission minus the earliest ``OperationQueued`` of the
+  ops merged into it;
+- ``unrecorded_indices_total``: one per index tensor the auditor found used without
+  ``record_stream`` (an ``AuditViolation`` with rule ``unrecorded_index``);
+  ``audit_violations_total``: every ``AuditViolation``. Attach an
+  :class:`~hicache_obs.events.audit.Auditor` to the log to get them.
+
+Serve with :func:`start_metrics_server` (``/metrics`` only, 127.0.0.1 by default,
+port 0 picks a free one) and stop with ``server.stop()``.
+
+Several worker processes (one controller per rank): give each process its own
+sink, registry and server, on its own port (e.g. ``base_port + rank``), and let
+Prometheus scrape every port as a separate target. The ``instance`` label
+Prometheus attaches (``host:port``) tells the ranks apart; aggregate with
+``sum without (instance) (...)``. No label is added to DESIGN's label sets and no
+shared multiprocess directory is needed::
+
+    sink = PrometheusSink(log=controller.log)
+    controller.log.add_sink(sink)
+    server, port = start_metrics_server(sink.registry, port=9400 + rank)
+"""
+
+from __future__ import annotations
+
+import bisect
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+
+from hicache_obs.events.audit import RULES
+from hicache_obs.events.schema import (
+    DIRECTIONS,
+    EVENT_TYPES,
+    ROLES,
+    TIERS,
+    AllocationFailed,
+    AuditViolation,
+    Event,
+    IndicesMoved,
+    OperationQueued,
+    OperationsMerged,
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    StreamRecorded,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+    runs_len,
+)
+
+from . import metric_names as m
+
+__all__ = [
+    "DEFAULT_POOLS",
+    "DEFAULT_DURATION_BUCKETS",
+    "DEFAULT_QUEUE_WAIT_BUCKETS",
+    "PrometheusSink",
+    "SinkStatsCollector",
+    "MetricsServer",
+    "start_metrics_server",
+    "stop_metrics_server",
+]
+
+DEFAULT_POOLS = ("kv", "mamba", "swa")
+#: transfer times: 10 us .. 10 s
+DEFAULT_DURATION_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: queue waits: 1 us .. 10 s
+DEFAULT_QUEUE_WAIT_BUCKETS = (
+    1e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0, 10.0,
+)  # fmt: skip
+
+Labels = tuple[str, ...]
+
+
+class _Histogram:
+    __slots__ = ("bounds", "counts", "total", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last: above every bound
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for bound, n in zip(self.bounds, self.counts):
+            acc += n
+            out.append((_fmt_le(bound), acc))
+        out.append(("+Inf", self.count))
+        return out
+
+
+def _fmt_le(bound: float) -> str:
+    # the same spelling prometheus_client uses for `le`
+    return repr(float(bound))
+
+
+def _buckets(given: Sequence[float] | None, default: tuple[float, ...], what: str) -> tuple[float, ...]:
+    from hicache_obs.errors import ConfigError
+
+    b = tuple(float(x) for x in (given if given is not None else default))
+    if not b or any(x != x or x in (float("inf"), float("-inf")) for x in b):
+        raise ConfigError(f"{what} must be a non-empty list of finite bounds, got {given!r}")
+    if list(b) != sorted(set(b)):
+        raise ConfigError(f"{what} must be strictly increasing, got {given!r}")
+    return b
+
+
+class PrometheusSink:
+    """Turns events into the Prometheus metrics of DESIGN.md (see module docstring).
+
+    ``pools``: pools whose label children exist from the start (pools seen in
+    ``PoolCreated`` are added as they appear). ``duration_buckets`` /
+    ``queue_wait_buckets``: histogram upper bounds in seconds. ``log``: an
+    :class:`~hicache_obs.events.log.EventLog` whose sinks' drop and error counts
+    are exported (read at scrape time).
+    """
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        pools: Iterable[str] = DEFAULT_POOLS,
+        duration_buckets: Sequence[float] | None = None,
+        queue_wait_buckets: Sequence[float] | None = None,
+        log: Any = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.duration_buckets = _buckets(duration_buckets, DEFAULT_DURATION_BUCKETS, "duration_buckets")
+        self.queue_wait_buckets = _buckets(queue_wait_buckets, DEFAULT_QUEUE_WAIT_BUCKETS, "queue_wait_buckets")
+        self.log = log
+        self._lock = threading.Lock()
+        self._pools: list[str] = []
+        self._values: dict[str, dict[Labels, float]] = {
+            name: {} for name, (kind, _) in m.ALL_METRICS.items() if kind != m.HISTOGRAM
+        }
+        self._hists: dict[str, dict[Labels, _Histogram]] = {m.TRANSFER_DURATION_SECONDS: {}, m.QUEUE_WAIT_SECONDS: {}}
+        # per rank, so that several ranks' events sum instead of overwriting each other
+        self._capacity: dict[tuple[int, str, str], int] = {}
+        self._used: dict[tuple[int, str, str], int] = {}
+        self._inflight: dict[tuple[int, int], TransferSubmitted] = {}
+        self._queued: dict[tuple[int, int], int] = {}
+        self._merged_queued: dict[tuple[int, int], int] = {}
+        self._closed = False
+        v = self._values
+        for d in DIRECTIONS:
+            for s in m.OPERATION_STATUSES:
+                v[m.OPERATIONS_TOTAL][(d, s)] = 0
+            self._hists[m.TRANSFER_DURATION_SECONDS][(d,)] = _Histogram(self.duration_buckets)
+            self._hists[m.QUEUE_WAIT_SECONDS][(d,)] = _Histogram(self.queue_wait_buckets)
+        for t in EVENT_TYPES:
+            v[m.EVENTS_TOTAL][(t,)] = 0
+        for rule in RULES:
+            if rule == "incomplete_operation":
+                v[m.AUDIT_VIOLATIONS_TOTAL][(rule, "*")] = 0
+        for p in pools:
+            self._add_pool(p)
+        self.collector = _SinkCollector(self)
+        self.registry.register(self.collector)
+        self.stats_collector: SinkStatsCollector | None = None
+        if log is not None:
+            self.stats_collector = SinkStatsCollector(log)
+            self.registry.register(self.stats_collector)
+
+    # ----------------------------------------------------------- label sets
+    def _add_pool(self, pool: str) -> None:
+        if pool in self._pools:
+            return
+        self._pools.append(pool)
+        v = self._values
+        for d in DIRECTIONS:
+            v[m.TRANSFER_SLOTS_TOTAL].setdefault((pool, d), 0)
+            v[m.TRANSFER_BYTES_TOTAL].setdefault((pool, d), 0)
+        for role in ROLES:
+            v[m.INDEX_MOVES_TOTAL].setdefault((pool, role), 0)
+            v[m.STREAM_RECORDS_TOTAL].setdefault((pool, role), 0)
+            for d in DIRECTIONS:
+                v[m.UNRECORDED_INDICES_TOTAL].setdefault((pool, role, d), 0)
+        for tier in TIERS:
+            for name in (
+                m.POOL_USED_SLOTS,
+                m.POOL_CAPACITY_SLOTS,
+                m.ALLOCATION_FAILURES_TOTAL,
+                m.EVICTIONS_TOTAL,
+                m.EVICTED_SLOTS_TOTAL,
+            ):
+                v[name].setdefault((pool, tier), 0)
+        for rule in RULES:
+            if rule != "incomplete_operation":
+                v[m.AUDIT_VIOLATIONS_TOTAL].setdefault((rule, pool), 0)
+
+    @property
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    def _inc(self, name: str, labels: Labels, by: float = 1) -> None:
+        d = self._values[name]
+        d[labels] = d.get(labels, 0) + by
+
+    # ----------------------------------------------------------- sink API
+    def handle(self, event: Event) -> None:
+        with self._lock:
+            self._apply(event)
+
+    def handle_batch(self, events: list[Event]) -> None:
+        with self._lock:
+            for ev in events:
+                self._apply(ev)
+
+    def flush(self) -> None:
+        """Nothing to flush: values are read at scrape time."""
+
+    def close(self) -> None:
+        """Nothing to release: the registry keeps serving the last values."""
+        self._closed = True
+
+    def _apply(self, ev: Event) -> None:
+        self._inc(m.EVENTS_TOTAL, (type(ev).__name__,))
+        key = (ev.rank, getattr(ev, "op", -1))
+        if isinstance(ev, (SlotsAllocated, SlotsFreed)):
+            n = runs_len(ev.indices)
+            self._add_pool(ev.pool)
+            k3 = (ev.rank, ev.pool, ev.tier)
+            if isinstance(ev, SlotsAllocated):
+                self._used[k3] = self._used.get(k3, 0) + n
+            else:
+                self._used[k3] = self._used.get(k3, 0) - n
+                if ev.reason == "evict":
+                    self._inc(m.EVICTIONS_TOTAL, (ev.pool, ev.tier))
+                    self._inc(m.EVICTED_SLOTS_TOTAL, (ev.pool, ev.tier), n)
+        elif isinstance(ev, IndicesMoved):
+            self._add_pool(ev.pool)
+            self._inc(m.INDEX_MOVES_TOTAL, (ev.pool, ev.role))
+        elif isinstance(ev, StreamRecorded):
+            self._add_pool(ev.pool)
+            self._inc(m.STREAM_RECORDS_TOTAL, (ev.pool, ev.role))
+        elif isinstance(ev, OperationQueued):
+            self._queued[key] = ev.ts_ns
+        elif isinstance(ev, OperationsMerged):
+            times = [t for t in (self._queued.pop((ev.rank, o), None) for o in ev.merged_ops) if t is not None]
+            if times:
+                self._merged_queued[key] = min(times)
+        elif isinstance(ev, TransferSubmitted):
+            self._inc(m.OPERATIONS_TOTAL, (ev.direction, "submitted"))
+            self._inflight[key] = ev
+            queued = self._merged_queued.pop(key, None)
+            if queued is not None:
+                self._observe(m.QUEUE_WAIT_SECONDS, ev.direction, max(0, ev.ts_ns - queued) / 1e9)
+        elif isinstance(ev, TransferCompleted):
+            self._inc(m.OPERATIONS_TOTAL, (ev.direction, "completed"))
+            sub = self._inflight.pop(key, None)
+            if sub is not None:
+                for pool, n in sub.slots_by_pool:
+                    self._add_pool(pool)
+                    self._inc(m.TRANSFER_SLOTS_TOTAL, (pool, ev.direction), n)
+                for pool, n in sub.bytes_by_pool:
+                    self._inc(m.TRANSFER_BYTES_TOTAL, (pool, ev.direction), n)
+            dur = ev.duration_ns
+            if dur <= 0 and sub is not None:
+                dur = max(0, ev.ts_ns - sub.ts_ns)
+            self._observe(m.TRANSFER_DURATION_SECONDS, ev.direction, dur / 1e9)
+        elif isinstance(ev, TransferFailed):
+            self._inc(m.OPERATIONS_TOTAL, (ev.direction, "failed"))
+            self._inflight.pop(key, None)
+        elif isinstance(ev, AuditViolation):
+            self._inc(m.AUDIT_VIOLATIONS_TOTAL, (ev.rule, ev.pool))
+            if ev.rule == "unrecorded_index":
+                self._add_pool(ev.pool)
+                self._inc(m.UNRECORDED_INDICES_TOTAL, (ev.pool, ev.role, ev.direction))
+        elif isinstance(ev, PoolCreated):
+            self._add_pool(ev.pool)
+            k3 = (ev.rank, ev.pool, ev.tier)
+            self._capacity[k3] = ev.capacity
+            self._used[k3] = 0
+        elif isinstance(ev, AllocationFailed):
+            self._add_pool(ev.pool)
+            self._inc(m.ALLOCATION_FAILURES_TOTAL, (ev.pool, ev.tier))
+
+    def _observe(self, name: str, direction: str, seconds: float) -> None:
+        h = self._hists[name].get((direction,))
+        if h is None:
+            bounds = self.duration_buckets if name == m.TRANSFER_DURATION_SECONDS else self.queue_wait_buckets
+            h = self._hists[name][(direction,)] = _Histogram(bounds)
+        h.observe(seconds)
+
+    # ------------------------------------------------------------ reading
+    def snapshot(self) -> dict[str, dict[Labels, float]]:
+        """Current values of the counters and gauges: ``{name: {label values: value}}``."""
+        with self._lock:
+            out = {name: dict(d) for name, d in self._values.items()}
+            inflight = out[m.TRANSFERS_IN_FLIGHT]
+            for d in DIRECTIONS:
+                inflight[(d,)] = 0
+            for sub in self._inflight.values():
+                inflight[(sub.direction,)] = inflight.get((sub.direction,), 0) + 1
+            for name, per_rank in ((m.POOL_USED_SLOTS, self._used), (m.POOL_CAPACITY_SLOTS, self._capacity)):
+                sums: dict[Labels, float] = {}
+                for (_, pool, tier), n in per_rank.items():
+                    sums[(pool, tier)] = sums.get((pool, tier), 0) + n
+                out[name].update(sums)
+            return out
+
+    def _histograms(self) -> dict[str, dict[Labels, tuple[list[tuple[str, float]], float]]]:
+        with self._lock:
+            return {
+                name: {labels: (h.buckets(), h.total) for labels, h in d.items()} for name, d in self._hists.items()
+            }
+
+    def families(self) -> list[Metric]:
+        """The metric families as the collector yields them (sink-runner stats excluded)."""
+        values = self.snapshot()
+        hists = self._histograms()
+        out: list[Metric] = []
+        for name, (kind, labels) in m.ALL_METRICS.items():
+            if name in (m.EVENTS_DROPPED_TOTAL, m.EXPORTER_ERRORS_TOTAL):
+                continue
+            doc = m.HELP[name]
+            fam: Any
+            if kind == m.HISTOGRAM:
+                fam = HistogramMetricFamily(name, doc, labels=labels)
+                for lv, (buckets, total) in sorted(hists[name].items()):
+                    fam.add_metric(list(lv), buckets, total)
+            else:
+                fam = (CounterMetricFamily if kind == m.COUNTER else GaugeMetricFamily)(name, doc, labels=labels)
+                for lv, value in sorted(values[name].items()):
+                    fam.add_metric(list(lv), value)
+            out.append(fam)
+        return out
+
+
+class _SinkCollector:
+    """The registry's view of a :class:`PrometheusSink`."""
+
+    def __init__(self, sink: PrometheusSink) -> None:
+        self._sink = sink
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._sink.families()
+
+    def describe(self) -> Iterator[Metric]:
+        for name, (kind, labels) in m.ALL_METRICS.items():
+            if name in (m.EVENTS_DROPPED_TOTAL, m.EXPORTER_ERRORS_TOTAL):
+                continue
+            cls: Any = {m.COUNTER: CounterMetricFamily, m.GAUGE: GaugeMetricFamily}.get(kind, HistogramMetricFamily)
+            yield cls(name, m.HELP[name], labels=labels)
+
+
+class SinkStatsCollector:
+    """``hicache_events_dropped_total``/``hicache_exporter_errors_total`` per sink of a log.
+
+    Reads ``log.sinks`` (each a :class:`~hicache_obs.events.sinks.SinkRunner` with
+    ``name``, ``dropped``, ``errors``) at scrape time; runners with the same name are summed.
+    """
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+
+    def collect(self) -> Iterator[Metric]:
+        dropped: dict[str, float] = {}
+        errors: dict[str, float] = {}
+        for runner in self.log.sinks:
+            name = str(getattr(runner, "name", type(runner).__name__))
+            dropped[name] = dropped.get(name, 0) + getattr(runner, "dropped", 0)
+            errors[name] = errors.get(name, 0) + getattr(runner, "errors", 0)
+        d = CounterMetricFamily(m.EVENTS_DROPPED_TOTAL, m.HELP[m.EVENTS_DROPPED_TOTAL], labels=["sink"])
+        e = CounterMetricFamily(m.EXPORTER_ERRORS_TOTAL, m.HELP[m.EXPORTER_ERRORS_TOTAL], labels=["sink"])
+        for name in sorted(dropped):
+            d.add_metric([name], dropped[name])
+            e.add_metric([name], errors[name])
+        yield d
+        yield e
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(m.EVENTS_DROPPED_TOTAL, m.HELP[m.EVENTS_DROPPED_TOTAL], labels=["sink"])
+        yield CounterMetricFamily(m.EXPORTER_ERRORS_TOTAL, m.HELP[m.EXPORTER_ERRORS_TOTAL], labels=["sink"])
+
+
+# ------------------------------------------------------------------ server
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    protocol_version = "HTTP/1.1"
+
+    def _respond(self, body: bool) -> None:
+        path = urlsplit(self.path).path
+        if path != "/metrics":
+            self._plain(404, b"not found: only /metrics is served\n", body)
+            return
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        try:
+            output = encoder(self.server.registry)
+        except Exception as exc:  # a collector failed: tell the scraper, keep serving
+            self._plain(500, f"error collecting metrics: {type(exc).__name__}: {exc}\n".encode(), body)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(output)))
+        self.end_headers()
+        if body:
+            self.wfile.write(output)
+
+    def _plain(self, code: int, text: bytes, body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        if body:
+            self.wfile.write(text)
+
+    def do_GET(self) -> None:
+        self._respond(True)
+
+    def do_HEAD(self) -> None:
+        self._respond(False)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: scrapes are not worth a line on stderr."""
+
+
+class MetricsServer(ThreadingHTTPServer):
+    """An HTTP server that serves ``registry`` at ``/metrics`` (404 elsewhere) on its own thread."""
+
+    daemon_threads = True
+
+    def __init__(self, registry: CollectorRegistry, addr: str = "127.0.0.1", port: int = 0) -> None:
+        self.address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        super().__init__((addr, port), _MetricsHandler)
+        self.registry = registry
+        self.thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.1}, name="hicache-metrics", daemon=True
+        )
+        self._stopped = False
+
+    @property
+    def port(self) -> int:
+        return int(self.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = str(self.server_address[0])
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.thread.is_alive():
+            self.shutdown()
+            self.thread.join(5)
+        self.server_close()
+
+
+def start_metrics_server(
+    registry: CollectorRegistry, port: int = 0, addr: str = "127.0.0.1"
+) -> tuple[MetricsServer, int]:
+    """Serve ``registry`` at ``http://addr:port/metrics`` on a daemon thread.
+
+    Binds the loopback interface unless told otherwise; ``port=0`` takes a free
+    port. Returns ``(server, port)``; stop with ``server.stop()`` (or
+    :func:`stop_metrics_server`).
+    """
+    server = MetricsServer(registry, addr, port)
+    server.thread.start()
+    return server, server.port
+
+
+def stop_metrics_server(server: MetricsServer) -> None:
+    """Stop a server started by :func:`start_metrics_server`."""
+    server.stop()
