@@ -1,0 +1,112 @@
+"""Helpers the subcommands share: errors, reading logs, formatting, the console."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import IO, Any
+
+from ..errors import HiCacheError
+
+__all__ = [
+    "CliError",
+    "EXIT_OK",
+    "EXIT_FINDINGS",
+    "EXIT_USAGE",
+    "read_log",
+    "console",
+    "fmt_bytes",
+    "fmt_ns",
+    "fmt_rate",
+    "fmt_ids",
+    "formatter",
+]
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1  # audit: the log holds violations
+EXIT_USAGE = 2  # bad arguments or unreadable input
+
+
+class CliError(Exception):
+    """An error the command reports as one line on stderr, exiting with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of multi-line text (the examples) and wraps one-paragraph text."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text.strip():
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # names such as unrecorded-pool-indices stay whole
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def formatter(prog: str) -> argparse.HelpFormatter:
+    """Help that keeps the examples' line breaks and fits 80 columns."""
+    return _HelpFormatter(prog, width=min(80, _columns()))
+
+
+def _columns() -> int:
+    try:
+        return max(40, int(os.environ.get("COLUMNS", "80")))
+    except ValueError:
+        return 80
+
+
+def read_log(paths: Sequence[str]) -> Any:
+    """Replay files or folders of segments; any unreadable input becomes a :class:`CliError`."""
+    from ..events.replay import replay
+
+    try:
+        return replay(list(paths))
+    except (HiCacheError, OSError, UnicodeError) as exc:
+        raise CliError(f"cannot read log: {exc}") from None
+
+
+def console(*, stderr: bool = False, file: IO[str] | None = None) -> Any:
+    """A rich console on stdout (or stderr); 80 columns unless the terminal says otherwise."""
+    from rich.console import Console
+
+    stream = file if file is not None else (sys.stderr if stderr else sys.stdout)
+    width = None if stream.isatty() else _columns()
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover - loop always returns
+
+
+def fmt_ns(ns: float | None) -> str:
+    if ns is None:
+        return "-"
+    if ns < 1_000:
+        return f"{ns:.0f} ns"
+    if ns < 1_000_000:
+        return f"{ns / 1e3:.1f} us"
+    if ns < 1_000_000_000:
+        return f"{ns / 1e6:.2f} ms"
+    return f"{ns / 1e9:.2f} s"
+
+
+def fmt_rate(bytes_per_s: float | None) -> str:
+    return "-" if bytes_per_s is None else f"{fmt_bytes(bytes_per_s)}/s"
+
+
+def fmt_ids(ids: Sequence[int], limit: int = 10) -> str:
+    """``3, 5, 9 (+12 more)``."""
+    shown = ", ".join(str(i) for i in ids[:limit])
+    return shown + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")

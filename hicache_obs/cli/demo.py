@@ -1,0 +1,449 @@
+"""``hicache-obs demo``: the synthetic serving workload with the whole pipeline attached.
+
+Builds an :class:`~hicache_obs.events.log.EventLog` and attaches, before the
+controller exists (so ``PoolCreated`` reaches everything): the durable JSON Lines
+store in ``--out``, the live :class:`~hicache_obs.events.audit.Auditor`, the
+Prometheus sink behind ``/metrics`` on 127.0.0.1, and the OpenTelemetry span sink
+when an OTLP endpoint is given. Then it runs :class:`~hicache_obs.workload.Workload`,
+closes everything, writes ``trace.json`` and prints a summary (``--json``: one
+JSON object).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ._common import EXIT_OK, CliError, console, fmt_bytes, fmt_ids, fmt_rate, formatter
+
+__all__ = ["register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"]
+
+DEFAULT_STEPS = 200
+DEFAULT_OUT = "hicache-demo"
+TRACE_FILE = "trace.json"
+
+_EPILOG = """\
+examples:
+  hicache-obs demo
+      200 requests on tiny_hybrid (KV + Mamba) with the sim runtime; event log
+      and trace.json in ./hicache-demo/, /metrics on a free 127.0.0.1 port
+  hicache-obs demo --fault unrecorded-pool-indices
+      the pre-#22940 bug: Mamba index tensors not recorded on the copy stream;
+      the audit flags them and the data checks find the corrupted slots
+  hicache-obs demo --steps 1000 --metrics-port 9400 --serve
+      keep /metrics up after the run (Ctrl-C to stop)
+  hicache-obs demo --otlp-endpoint http://127.0.0.1:4318
+      also send one span per transfer over OTLP/HTTP (or set
+      OTEL_EXPORTER_OTLP_ENDPOINT)
+  hicache-obs demo --model tiny_swa --runtime cpu --json
+
+then:
+  hicache-obs audit hicache-demo/      hicache-obs inspect hicache-demo/
+  open hicache-demo/trace.json in https://ui.perfetto.dev
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0: a free port), got {n}")
+    return n
+
+
+def register(sub: Any) -> None:
+    from ..core.policy import WRITE_POLICIES
+    from ..core.pools import LAYOUTS
+    from ..core.runtime import RUNTIME_NAMES
+    from ..core.spec import MODEL_PRESETS
+    from ..core.transfer import IO_BACKENDS
+    from ..testing import FAULTS
+
+    p = sub.add_parser(
+        "demo",
+        help="run the synthetic serving workload with every exporter attached",
+        description="A synthetic prefix-reuse serving workload (write-through, eviction, "
+        "load-back) that drives the controller like SGLang's radix cache, with the event "
+        "log, the live auditor, /metrics and (optionally) OTLP spans attached. Every loaded "
+        "slot is compared with what was written.",
+        epilog=_EPILOG,
+        formatter_class=formatter,
+    )
+    p.add_argument(
+        "--model",
+        choices=list(MODEL_PRESETS),
+        default="tiny_hybrid",
+        metavar="NAME",
+        help="%(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=list(RUNTIME_NAMES),
+        default="sim",
+        metavar="NAME",
+        help="%(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=DEFAULT_STEPS,
+        metavar="N",
+        help="requests to serve (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the request stream and the data (default: %(default)s)",
+    )
+    p.add_argument(
+        "--io-backend",
+        choices=list(IO_BACKENDS),
+        default="kernel",
+        metavar="NAME",
+        help="%(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=list(LAYOUTS),
+        default="layer_first",
+        metavar="NAME",
+        help="host pool layout: %(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--write-policy",
+        choices=list(WRITE_POLICIES),
+        default="write_through",
+        metavar="NAME",
+        help="when to back nodes up: %(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device-tokens",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="KV slots on the device; the host holds twice as many (default: %(default)s)",
+    )
+    p.add_argument(
+        "--fault",
+        choices=list(FAULTS),
+        default=None,
+        metavar="NAME",
+        help="inject a known bug: %(choices)s (see hicache_obs.testing)",
+    )
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help="output folder for events*.jsonl and trace.json (default: ./%(default)s/)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        metavar="PORT",
+        help="port of /metrics on 127.0.0.1 (default: 0, a free one)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP/HTTP base URL for spans, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
+    )
+    p.add_argument("--serve", action="store_true", help="keep /metrics up after the run until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------ run
+def run(args: argparse.Namespace) -> int:
+    from ..core.spec import ModelSpec
+    from ..events.audit import Auditor
+    from ..events.log import EventLog
+    from ..events.store import SEGMENT_GLOB, open_store
+    from ..testing import fault_class, make_controller
+    from ..workload import Workload, controller_options
+
+    spec = ModelSpec.preset(args.model)
+    fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
+    out = Path(args.out)
+    _prepare_out(out, SEGMENT_GLOB)
+
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        log = EventLog()
+        stack.callback(log.close)
+        store = open_store(log, out)
+        metrics_url, server = _start_metrics(log, args.metrics_port)
+        stop = getattr(server, "stop", None) or server.shutdown
+        stack.callback(stop)
+        otlp_endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+        if otlp_endpoint:
+            stack.callback(_attach_otel(log, args.otlp_endpoint))
+        auditor = Auditor().attach(log)
+
+        stack.enter_context(_quiet_controller_warnings())  # failed transfers are counted, not logged
+        controller = make_controller(
+            spec,
+            fault=args.fault,
+            runtime=args.runtime,
+            log=log,
+            io_backend=args.io_backend,
+            layout=args.layout,
+            write_policy=args.write_policy,
+            **controller_options(spec, args.device_tokens),
+        )
+        stack.callback(controller.close)
+        workload = Workload(controller, seed=args.seed, fault=args.fault)
+        if not args.json:
+            print(f"/metrics at {metrics_url}", file=sys.stderr)
+        with _progress(args.steps, enabled=not args.json and sys.stderr.isatty()) as advance:
+            stats = workload.run(args.steps, on_step=advance)
+        controller.close()
+        auditor.finish()
+        log.close()  # flushes every sink: the store, the metrics, the spans
+        wall = time.perf_counter() - t_start
+
+        if log.overflowed:  # the in-memory log kept only the newest events: read the store back
+            from ..events.replay import replay
+
+            events = replay(out).events
+        else:
+            events = log.events()
+        from hicache_obs.exporters.chrome_trace import write_chrome_trace
+
+        trace = out / TRACE_FILE
+        write_chrome_trace(events, trace)
+        from ._summary import transfer_totals
+
+        totals = transfer_totals(events)
+        summary: dict[str, Any] = {
+            "steps": args.steps,
+            "seed": args.seed,
+            "runtime": args.runtime,
+            "model": args.model,
+            "io_backend": args.io_backend,
+            "layout": args.layout,
+            "write_policy": args.write_policy,
+            "fault": args.fault,
+            "events": len(log),
+            **totals.to_dict(),
+            "hit_rate": stats.hit_rate,
+            "tokens": dict(stats.tokens),
+            "requests": stats.requests,
+            "writes": dict(stats.writes),
+            "loads": dict(stats.loads),
+            "evictions": dict(stats.evictions),
+            "violations": auditor.counts(),
+            "data_intact": stats.data_intact,
+            "checked_slots": stats.checked_slots,
+            "corruptions": stats.corruptions,
+            "corrupted_slots": [c.to_dict() for c in stats.corrupted],
+            "out": str(out),
+            "files": {"events": [str(p) for p in store.sink.paths], "trace": str(trace)},
+            "metrics_url": metrics_url,
+            "otlp_endpoint": otlp_endpoint,
+            "sinks": {r.name: r.stats() for r in log.sinks},
+            "wall_seconds": wall,
+        }
+        try:  # with --serve, Ctrl-C is how the demo ends, whenever it comes
+            if args.json:
+                print(json.dumps(summary, indent=2), flush=True)
+            else:
+                _print_summary(summary, serving=args.serve)
+            if args.serve:
+                _serve(metrics_url, quiet=args.json)
+        except KeyboardInterrupt:
+            if not args.serve:
+                raise
+    return EXIT_OK
+
+
+def _prepare_out(out: Path, glob: str) -> None:
+    """Create ``out``; remove an earlier run's segments and trace (they would not replay with this run's)."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob(glob), out / TRACE_FILE]:
+        if old.is_file():
+            old.unlink()
+
+
+def _start_metrics(log: Any, port: int) -> tuple[str, Any]:
+    from prometheus_client import CollectorRegistry
+
+    from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+
+    registry = CollectorRegistry()
+    log.add_sink(PrometheusSink(registry, log=log))
+    try:
+        server, bound = start_metrics_server(registry, port=port, addr="127.0.0.1")
+    except OSError as exc:
+        raise CliError(f"cannot serve /metrics on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    return f"http://127.0.0.1:{bound}/metrics", server
+
+
+def _attach_otel(log: Any, endpoint: str | None) -> Callable[[], None]:
+    """Attach the span sink; returns what shuts its provider down (after the log closed)."""
+    from hicache_obs.exporters.otel import OtelSpanSink, make_tracer_provider
+
+    if endpoint is None:  # OTEL_EXPORTER_OTLP_ENDPOINT and friends configure the sink's own provider
+        log.add_sink(OtelSpanSink(service_name="hicache-obs-demo"))
+        return lambda: None
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    url = endpoint.rstrip("/")
+    if not url.endswith("/v1/traces"):
+        url += "/v1/traces"
+    provider = make_tracer_provider("hicache-obs-demo", exporter=OTLPSpanExporter(endpoint=url))
+    log.add_sink(OtelSpanSink(provider))
+    return provider.shutdown  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _quiet_controller_warnings() -> Iterator[None]:
+    logger = logging.getLogger("hicache_obs.controller")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _progress(total: int, *, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda done: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("serving"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console(stderr=True),
+        transient=True,
+    ) as progress:
+        task = progress.add_task("serving", total=total)
+        yield lambda done: progress.update(task, completed=done)
+
+
+def _serve(url: str, *, quiet: bool) -> None:
+    if not quiet:
+        print(f"serving {url} until Ctrl-C", file=sys.stderr)
+    while True:
+        time.sleep(3600)
+
+
+# -------------------------------------------------------------- summary
+def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
+    from rich.table import Table
+
+    con = console()
+    fault = f", fault {s['fault']}" if s["fault"] else ""
+    con.print(
+        f"[bold]hicache-obs demo[/]: {s['model']} on {s['runtime']}, {s['steps']} requests, seed {s['seed']}, "
+        f"{s['wall_seconds']:.2f} s\n"
+        f"{s['io_backend']} io backend, {s['layout']} host layout, {s['write_policy']}{fault}"
+    )
+
+    t = Table(title="Transfers (completed)", title_justify="left")
+    for col in ("direction", "ops", "failed", "pool", "slots", "bytes", "bandwidth"):
+        t.add_column(col, justify="left" if col in ("direction", "pool") else "right")
+    for d, label in (("d2h", "d2h write"), ("h2d", "h2d load")):
+        pools = list(s["slots"])
+        for i, pool in enumerate(pools):
+            first = i == 0
+            t.add_row(
+                label if first else "",
+                str(s["operations"][d]) if first else "",
+                str(s["failed_operations"][d]) if first else "",
+                pool,
+                str(s["slots"][pool][d]),
+                fmt_bytes(s["bytes"][pool][d]),
+                fmt_rate(s["bandwidth_bytes_per_s"][d]) if first else "",
+            )
+    con.print(t)
+
+    hr, tok = s["hit_rate"], s["tokens"]
+    c = Table(title="Cache", title_justify="left", show_header=False)
+    c.add_column("what")
+    c.add_column("value")
+    c.add_row(
+        "hit rate (tokens)",
+        f"device {hr['device']:.1%} ({tok['device_hit']}), host {hr['host']:.1%} ({tok['host_hit']}), "
+        f"miss {hr['miss']:.1%} ({tok['miss']})",
+    )
+    w, ld, ev = s["writes"], s["loads"], s["evictions"]
+    c.add_row(
+        "writes", f"{w['issued']} issued, {w['completed']} done, {w['failed']} failed, {w['host_full']} host full"
+    )
+    c.add_row(
+        "loads",
+        f"{ld['issued']} issued, {ld['completed']} done, {ld['failed']} failed, {ld['device_full']} device full",
+    )
+    c.add_row(
+        "evictions",
+        f"device {ev['device']}, host {ev['host']}, dropped {ev['dropped']}, lost to failed loads {ev['lost']}",
+    )
+    con.print(c)
+
+    a = Table(title="Audit and data", title_justify="left")
+    a.add_column("rule")
+    a.add_column("pool")
+    a.add_column("violations", justify="right")
+    for rule, pools in sorted(s["violations"].items()):
+        for pool, n in sorted(pools.items()):
+            a.add_row(f"[red]{rule}[/]", pool, str(n))
+    if not s["violations"]:
+        a.add_row("[green]none[/]", "", "0")
+    con.print(a)
+    if s["data_intact"]:
+        con.print(
+            f"[green]data intact[/]: {s['checked_slots']} loaded/backed-up slots bit-identical to what was written"
+        )
+    else:
+        con.print(
+            f"[red bold]data corrupted[/]: {s['corruptions']} checks found slots that differ from what was written"
+        )
+        for item in s["corrupted_slots"][:5]:
+            con.print(
+                f"  node {item['node']} pool {item['pool']} after {item['direction']} op {item['op']}: "
+                f"{item['tier']} slots {fmt_ids(item['slots'], 6)}"
+            )
+
+    out = s["out"]
+    lines = [
+        f"events:  {out}/ ({len(s['files']['events'])} segment(s), {s['events']} events)",
+        f"trace:   {s['files']['trace']}  (open in https://ui.perfetto.dev)",
+        f"metrics: {s['metrics_url']}" + ("" if serving else "  (until exit; --serve keeps it)"),
+    ]
+    if s["otlp_endpoint"]:
+        lines.append(f"spans:   sent to {s['otlp_endpoint']}")
+    lines += [f"next:    hicache-obs audit {out}", f"         hicache-obs inspect {out}"]
+    con.print()
+    for line in lines:  # paths and commands stay whole, to be copied
+        con.print(line, no_wrap=True, crop=False, overflow="ignore")
