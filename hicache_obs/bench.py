@@ -116,7 +116,11 @@ def _sample_events(n: int) -> list[Any]:
     from .workload import Workload
 
     log = EventLog(capacity=None)
-    c = make_controller(log=log, device_size=2048)
+    from .core.spec import ModelSpec
+    from .workload import controller_options
+
+    spec = ModelSpec.tiny_hybrid()
+    c = make_controller(spec, log=log, **controller_options(spec))
     Workload(c, seed=1).run(60)
     c.close()
     base = log.events()
@@ -367,7 +371,11 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
         from .events.store import open_store
 
         open_store(log, out_dir)
-    c = make_controller(log=log, runtime=runtime, device_size=2048)
+    from .core.spec import ModelSpec
+    from .workload import controller_options
+
+    spec = ModelSpec.tiny_hybrid()
+    c = make_controller(spec, log=log, runtime=runtime, **controller_options(spec))
 
     def close() -> None:
         c.close()
