@@ -7,6 +7,7 @@ Subcommands, one module each, every one with ``register(subparsers)`` and
 - ``audit``: replay logs and apply the audit rules; exit 1 on violations (:mod:`.audit`)
 - ``inspect``: operations as a tree or a timeline (:mod:`.inspect`)
 - ``export``: Chrome trace / OTLP JSON from a log (:mod:`.export`)
+- ``bench``: overhead and bandwidth ratios measured side by side (:mod:`.bench`)
 
 Exit codes: 0 success (clean), 1 violations found, 2 usage error or unreadable
 input, 130 interrupted. Errors are one line on stderr, never a traceback.
@@ -27,7 +28,7 @@ from ._common import EXIT_USAGE, CliError, formatter
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("demo", "audit", "inspect", "export")
+COMMANDS = ("demo", "audit", "inspect", "export", "bench")
 
 _EPILOG = """\
 examples:
@@ -36,6 +37,7 @@ examples:
   hicache-obs audit hicache-demo/     exit 0 clean, 1 violations, 2 unreadable
   hicache-obs inspect hicache-demo/ --violations-only
   hicache-obs export hicache-demo/ --chrome-trace trace.json
+  hicache-obs bench --quick           overhead and bandwidth ratios
 
 Run `hicache-obs COMMAND --help` for the options of each command.
 """

@@ -1,0 +1,112 @@
+"""``hicache-obs bench``: the performance ratios, measured side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ._common import EXIT_OK, formatter
+
+__all__ = ["register", "run"]
+
+_EPILOG = """\
+examples:
+  hicache-obs bench --quick          a one-minute run, a table of ratios and targets
+  hicache-obs bench --json > b.json  the full run as one JSON object
+  hicache-obs bench --section events --json
+
+Every figure is a ratio of two things measured in the same process, interleaved
+round by round; the median of the per-round ratios is shown with its spread.
+"""
+
+SECTIONS = ("overhead", "events", "data_path")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure observability overhead, event throughput and data-path bandwidth",
+        description="Measure, side by side in one run: the demo workload with observability on "
+        "against the bare controller; event append, durable write and replay+audit rates "
+        "against floor loops; write/load bandwidth against Tensor.copy_ of the same bytes.",
+        epilog=_EPILOG,
+        formatter_class=formatter,
+    )
+    p.add_argument("--quick", action="store_true", help="fewer rounds and smaller sizes (under a minute)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--section", action="append", choices=SECTIONS, help="run only this section (repeatable; default: all)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads during the run (default 1; 0 keeps torch's default)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench import run_bench
+
+    def progress(name: str) -> None:
+        if not args.json:
+            print(f"bench: {name} ...", file=sys.stderr, flush=True)
+
+    if args.threads < 0:
+        from ._common import CliError
+
+        raise CliError(f"bench: --threads must be >= 0, got {args.threads}")
+    result = run_bench(
+        quick=args.quick,
+        progress=progress,
+        sections=tuple(args.section or SECTIONS),
+        threads=args.threads or None,
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    _table(result)
+    return EXIT_OK
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}"
+    return str(v)
+
+
+def _table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=100)
+    m = result["machine"]
+    console.print(f"machine: {m['cores']} cores, torch {m['torch']}, python {m['python']}")
+    t = Table(title="targets")
+    t.add_column("figure")
+    t.add_column("target")
+    t.add_column("measured", justify="right")
+    t.add_column("met")
+    for row in result["targets"]:
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[row["met"]]
+        t.add_row(row["key"], row["target"], _fmt(row["value"]), met)
+    console.print(t)
+    dp = result.get("data_path")
+    if dp:
+        d = Table(title="data path vs Tensor.copy_ (median ratio)")
+        for col in ("layout", "page size", "write", "load"):
+            d.add_column(col)
+        for layout, by_ps in dp.items():
+            for ps, r in by_ps.items():
+                d.add_row(layout, ps[2:], _fmt(r["write_vs_memcpy"]), _fmt(r["load_vs_memcpy"]))
+        console.print(d)
+    ov = result.get("overhead")
+    if ov:
+        console.print(f"per-operation overhead (events + audit + metrics + logs): {ov['per_op_overhead_us']:.1f} us")
