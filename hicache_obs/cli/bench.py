@@ -13,7 +13,7 @@ __all__ = ["register", "run"]
 
 _EPILOG = """\
 examples:
-  hicache-obs bench --quick          a one-minute run, a table of ratios and targets
+  hicache-obs bench --quick          one minute: a table of ratios and targets
   hicache-obs bench --json > b.json  the full run as one JSON object
   hicache-obs bench --section events --json
 

@@ -9,7 +9,10 @@ index tensor (where it lives, how long, its address) without keeping it alive.
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
+from msgspec import Meta
 
 __all__ = [
     "Runs",
@@ -39,8 +42,18 @@ __all__ = [
     "runs_len",
 ]
 
+#: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
+MAX_CAPACITY = 1 << 28
+
+NonNeg = Annotated[int, Meta(ge=0)]
+Slot = Annotated[int, Meta(ge=0, lt=MAX_CAPACITY)]
+Count = Annotated[int, Meta(ge=0, le=MAX_CAPACITY)]
+Direction = Literal["d2h", "h2d"]
+Tier = Literal["device", "host"]
+Role = Literal["host", "device"]
+
 #: A run-length list of slot indices: ``((start, length), ...)``.
-Runs = tuple[tuple[int, int], ...]
+Runs = tuple[tuple[Slot, Count], ...]
 
 D2H = "d2h"  # write: device -> host backup
 H2D = "h2d"  # load: host -> device
@@ -57,41 +70,41 @@ class TensorRef(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """
 
     pool: str
-    role: str
+    role: Role
     device: str
-    numel: int
+    numel: NonNeg
     dtype: str
-    ptr: int
+    ptr: NonNeg
     indices: Runs | None = None
 
 
 class Event(msgspec.Struct, frozen=True, tag=True, kw_only=True, gc=False):
     """Base of every event: the header fields."""
 
-    seq: int
-    ts_ns: int
-    rank: int = 0
+    seq: NonNeg
+    ts_ns: NonNeg
+    rank: NonNeg = 0
 
 
 class PoolCreated(Event, frozen=True, kw_only=True):
     pool: str
-    tier: str
-    capacity: int
-    page_size: int
-    slot_bytes: int
+    tier: Tier
+    capacity: Count
+    page_size: Annotated[int, Meta(ge=1, le=MAX_CAPACITY)]
+    slot_bytes: NonNeg
     layout: str
 
 
 class SlotsAllocated(Event, frozen=True, kw_only=True):
     pool: str
-    tier: str
+    tier: Tier
     indices: Runs
     op: int = -1
 
 
 class SlotsFreed(Event, frozen=True, kw_only=True):
     pool: str
-    tier: str
+    tier: Tier
     indices: Runs
     reason: str = "free"  # free | evict | rollback | failed
     op: int = -1
@@ -99,14 +112,14 @@ class SlotsFreed(Event, frozen=True, kw_only=True):
 
 class AllocationFailed(Event, frozen=True, kw_only=True):
     pool: str
-    tier: str
+    tier: Tier
     requested: int
     available: int
 
 
 class OperationQueued(Event, frozen=True, kw_only=True):
     op: int
-    direction: str
+    direction: Direction
     node_id: int
     priority: int
     slots_by_pool: tuple[tuple[str, int], ...]
@@ -115,14 +128,14 @@ class OperationQueued(Event, frozen=True, kw_only=True):
 class OperationsMerged(Event, frozen=True, kw_only=True):
     op: int
     merged_ops: tuple[int, ...]
-    direction: str
+    direction: Direction
     node_ids: tuple[int, ...] = ()
 
 
 class IndicesMoved(Event, frozen=True, kw_only=True):
     op: int
     pool: str
-    role: str
+    role: Role
     src_device: str
     dst_device: str
     tensor: TensorRef
@@ -131,14 +144,14 @@ class IndicesMoved(Event, frozen=True, kw_only=True):
 class StreamRecorded(Event, frozen=True, kw_only=True):
     op: int
     pool: str
-    role: str
+    role: Role
     stream: str
     tensor: TensorRef
 
 
 class TransferSubmitted(Event, frozen=True, kw_only=True):
     op: int
-    direction: str
+    direction: Direction
     stream: str
     io_backend: str
     layout: str
@@ -151,14 +164,14 @@ class TransferSubmitted(Event, frozen=True, kw_only=True):
 
 class TransferCompleted(Event, frozen=True, kw_only=True):
     op: int
-    direction: str
-    duration_ns: int
+    direction: Direction
+    duration_ns: NonNeg
     layer_durations_ns: tuple[int, ...] | None = None
 
 
 class TransferFailed(Event, frozen=True, kw_only=True):
     op: int
-    direction: str
+    direction: Direction
     error: str
 
 

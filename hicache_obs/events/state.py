@@ -40,6 +40,68 @@ from .schema import (
 __all__ = ["SlotTable", "OpState", "CacheState", "fold"]
 
 
+def _invalid_sample(start: int, length: int) -> list[int]:
+    """A few slots of a run that lies (partly) outside the table, never the whole run."""
+    return [start + i for i in range(max(1, min(length, 8)))]
+
+
+class _FreeList:
+    """FIFO free list of pages that costs nothing for pages never used.
+
+    The order is: the never-allocated pages from ``fresh`` upwards (minus ``holes``,
+    fresh pages taken out of order), then the freed pages in the order they were freed.
+    """
+
+    __slots__ = ("fresh", "npages", "holes", "freed", "n")
+
+    def __init__(self, npages: int) -> None:
+        self.fresh = 0
+        self.npages = npages
+        self.holes: set[int] = set()
+        self.freed: dict[int, None] = {}
+        self.n = npages
+
+    def take(self, p: int) -> None:
+        """Page ``p`` was allocated: it leaves the free list (no-op if it was not on it)."""
+        freed = self.freed
+        if p in freed:
+            del freed[p]
+            self.n -= 1
+        elif p == self.fresh:
+            self.n -= 1
+            self.fresh += 1
+            holes = self.holes
+            while holes and self.fresh in holes:
+                holes.remove(self.fresh)
+                self.fresh += 1
+        elif self.fresh < p < self.npages and p not in self.holes:
+            self.holes.add(p)
+            self.n -= 1
+
+    def push(self, p: int) -> None:
+        """Page ``p`` became free: it joins the back of the list."""
+        if p in self.freed or (p >= self.fresh and p not in self.holes):
+            return  # already free
+        self.holes.discard(p)
+        self.freed[p] = None
+        self.n += 1
+
+    def first(self, k: int) -> list[int]:
+        out: list[int] = []
+        p = self.fresh
+        holes = self.holes
+        while len(out) < k and p < self.npages:
+            if p not in holes:
+                out.append(p)
+            p += 1
+        if len(out) < k:
+            for q in self.freed:
+                out.append(q)
+                if len(out) == k:
+                    break
+        return out
+
+
 class SlotTable:
     """Allocation state of one pool on one tier, page-granular FIFO free list."""
 
@@ -53,20 +115,18 @@ class SlotTable:
         self.used = 0
         self._alloc = bytearray(capacity)
         npages = capacity // page_size
-        self._free_pages: dict[int, None] = dict.fromkeys(range(npages))
+        self._free_pages = _FreeList(npages)
         self._page_used = bytearray(npages) if page_size > 1 else None
 
     @property
     def available(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self._free_pages.n * self.page_size
 
     def peek(self, n_pages: int) -> list[int]:
         """The pages the next allocation of ``n_pages`` would take (FIFO order)."""
-        out = []
-        it = iter(self._free_pages)
-        for _ in range(n_pages):
-            out.append(next(it))
-        return out
+        if n_pages > self._free_pages.n:
+            raise ValueError(f"peek of {n_pages} pages with {self._free_pages.n} free")
+        return self._free_pages.first(n_pages)
 
     def is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.capacity and self._alloc[slot] == 1
@@ -77,8 +137,10 @@ class SlotTable:
         a = self._alloc
         cap = self.capacity
         for start, length in runs:
-            if start < 0 or start + length > cap or a.find(0, start, start + length) != -1:
-                bad.extend(s for s in range(start, start + length) if not (0 <= s < cap and a[s]))
+            if start < 0 or length <= 0 or start + length > cap:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(0, start, start + length) != -1:
+                bad.extend(s for s in range(start, start + length) if not a[s])
         return bad
 
     def apply_alloc(self, runs: Runs) -> list[int]:
@@ -88,24 +150,41 @@ class SlotTable:
         ps = self.page_size
         fp = self._free_pages
         pu = self._page_used
+        cap = self.capacity
         added = 0
         for start, length in runs:
             end = start + length
-            if start < 0 or end > self.capacity:
-                bad.extend(range(start, end))
+            if start < 0 or end > cap or length <= 0:
+                bad.extend(_invalid_sample(start, length))
                 continue
-            if a.find(1, start, end) != -1:
-                bad.extend(s for s in range(start, end) if a[s])
-            added += length - a.count(1, start, end)
-            a[start:end] = b"\x01" * length
-            if pu is None:
-                for s in range(start, end):
-                    fp.pop(s, None)
-            else:
-                for s in range(start, end):
+            if a.find(1, start, end) == -1:  # the normal case: every slot was free
+                a[start:end] = b"\x01" * length
+                added += length
+                if pu is None:
+                    for s in range(start, end):
+                        fp.take(s)
+                elif start % ps == 0 and length % ps == 0:  # whole pages
+                    for p in range(start // ps, end // ps):
+                        pu[p] = ps
+                        fp.take(p)
+                else:
+                    for s in range(start, end):
+                        p = s // ps
+                        pu[p] += 1
+                        fp.take(p)
+                continue
+            for s in range(start, end):  # some slots already allocated: slot by slot
+                if a[s]:
+                    bad.append(s)
+                    continue
+                a[s] = 1
+                added += 1
+                if pu is None:
+                    fp.take(s)
+                else:
                     p = s // ps
                     pu[p] += 1
-                    fp.pop(p, None)
+                    fp.take(p)
         self.used += added
         return bad
 
@@ -119,22 +198,45 @@ class SlotTable:
         ps = self.page_size
         fp = self._free_pages
         pu = self._page_used
+        cap = self.capacity
         freed = 0
         for start, length in runs:
             end = start + length
+            if 0 <= start and end <= cap and length > 0 and a.find(0, start, end) == -1:
+                # the normal case: every slot was allocated
+                a[start:end] = bytes(length)
+                freed += length
+                if pu is None:
+                    for s in range(start, end):
+                        fp.push(s)
+                    continue
+                if start % ps == 0 and length % ps == 0:  # whole pages
+                    for p in range(start // ps, end // ps):
+                        pu[p] = 0
+                        fp.push(p)
+                    continue
+                for s in range(start, end):
+                    p = s // ps
+                    pu[p] -= 1
+                    if pu[p] == 0:
+                        fp.push(p)
+                continue
+            if start < 0 or end > cap or length <= 0:
+                bad.extend(_invalid_sample(start, length))
+                continue
             for s in range(start, end):
-                if not (0 <= s < self.capacity) or not a[s]:
+                if not a[s]:
                     bad.append(s)
                     continue
                 a[s] = 0
                 freed += 1
                 if pu is None:
-                    fp[s] = None
+                    fp.push(s)
                 else:
                     p = s // ps
                     pu[p] -= 1
                     if pu[p] == 0:
-                        fp[p] = None
+                        fp.push(p)
         self.used -= freed
         return bad
 
@@ -145,7 +247,7 @@ class SlotTable:
             "page_size": self.page_size,
             "used": self.used,
             "allocated": runs_from_list(allocated),
-            "free_order": tuple(self._free_pages),
+            "free_order": tuple(self._free_pages.first(self._free_pages.n)),
         }
 
 
