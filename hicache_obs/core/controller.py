@@ -234,7 +234,7 @@ class HiCacheController:
             values = t.tolist()
         return TensorRef(
             pool=pool,
-            role=role,
+            role=role,  # type: ignore[arg-type]  # "host" | "device", checked by callers
             device=dev,
             numel=t.numel(),
             dtype=str(t.dtype).removeprefix("torch."),
@@ -680,11 +680,13 @@ class HiCacheController:
 
     def _launch_write(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         rt = self.runtime
-        for pool, h, d in pairs:
-            if h.numel() == 0:
-                continue
-            if self.io_backend == "kernel":
+        pairs = [(pool, h, d) for pool, h, d in pairs if h.numel()]
+        if self.io_backend == "kernel":
+            # check every pool before launching any copy: a copy queued before a later
+            # pool's check failed would run with index tensors nobody recorded
+            for pool, h, d in pairs:
                 check_kernel_indices(rt, pool, h, d)
+        for pool, h, d in pairs:
             launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d))
 
     def _launch_load(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], producer_id: int) -> list[DeviceEvent]:
@@ -841,31 +843,43 @@ class HybridCacheController(HiCacheController):
 
     def move_hybrid_indices(self, op: CacheOperation) -> CacheOperation:
         """Move the anchor's and every pool transfer's indices; returns a new op with new transfers."""
-        host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
-        if op.pool_transfers is None:
-            return op.replace(host_indices=host, device_indices=device)
-        moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {ANCHOR: (host, device)}
-        out: list[PoolTransfer] = []
-        deferred: list[PoolTransfer] = []
-        for t in op.pool_transfers:
+        # check every transfer before moving anything: a half-moved op would leave
+        # IndicesMoved events and moved copies behind for an op that never runs
+        transfers = op.pool_transfers or ()
+        owners = {ANCHOR} | {t.pool for t in transfers if t.indices_from_pool is None}
+        for t in transfers:
             if t.indices_from_pool is not None:
-                deferred.append(t)
+                if t.indices_from_pool not in owners:
+                    raise UnresolvedTransferError(
+                        f"pool transfer {t.pool!r} of op {op.id} reuses pool {t.indices_from_pool!r}, which the op lacks"
+                    )
                 continue
             if t.host_indices is None or t.device_indices is None:
                 raise UnresolvedTransferError(
                     f"pool transfer {t.pool!r} of op {op.id}: "
                     f"{'host' if t.host_indices is None else 'device'}_indices is None at move time"
                 )
+            if t.host_indices.numel() != t.device_indices.numel():
+                raise LengthMismatchError(
+                    f"pool {t.pool!r}: host indices have {t.host_indices.numel()} entries, "
+                    f"device indices {t.device_indices.numel()}"
+                )
+        host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
+        if op.pool_transfers is None:
+            return op.replace(host_indices=host, device_indices=device)
+        moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {ANCHOR: (host, device)}
+        out: list[PoolTransfer] = []
+        deferred: list[PoolTransfer] = []
+        for t in transfers:
+            if t.indices_from_pool is not None:
+                deferred.append(t)
+                continue
+            assert t.host_indices is not None and t.device_indices is not None  # checked above
             h, d = self.move_indices(t.host_indices, t.device_indices, op=op.id, pool=t.pool)
             moved[t.pool] = (h, d)
             out.append(t.with_indices(h, d))
         for t in deferred:
-            src = moved.get(t.indices_from_pool)  # type: ignore[arg-type]
-            if src is None:
-                raise UnresolvedTransferError(
-                    f"pool transfer {t.pool!r} of op {op.id} reuses pool {t.indices_from_pool!r}, which the op lacks"
-                )
-            out.append(t.with_indices(*src))
+            out.append(t.with_indices(*moved[t.indices_from_pool]))  # type: ignore[index]
         return op.replace(host_indices=host, device_indices=device, pool_transfers=tuple(out))
 
     def _move_op(self, op: CacheOperation) -> CacheOperation:

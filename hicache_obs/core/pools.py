@@ -165,14 +165,15 @@ class DevicePool:
 
 
 def _index_put_dim1(plane: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
-    plane.index_copy_(1, idx, src.to(plane.dtype))
+    # idx and src are host tensors; on cuda the plane is not
+    plane.index_copy_(1, idx.to(plane.device), src.to(device=plane.device, dtype=plane.dtype))
 
 
 def _host_gather(runtime: Runtime, plane: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out: list[torch.Tensor] = []
 
     def gather(p: torch.Tensor, i: torch.Tensor) -> None:
-        out.append(p.index_select(1, i).clone())
+        out.append(p.index_select(1, i.to(p.device)).to("cpu", copy=True))
 
     runtime.launch(gather, plane, idx)  # on the main stream: runs now
     return out[0]

@@ -111,7 +111,11 @@ def _wrap_result(rt: SimRuntime, ret: Any, sims: list[SimTensor]) -> Any:
         return _wrap_tensor(rt, ret, sims)
     if isinstance(ret, (tuple, list)) and any(isinstance(r, torch.Tensor) for r in ret):
         wrapped = [_wrap_tensor(rt, r, sims) if isinstance(r, torch.Tensor) else r for r in ret]
-        return type(ret)(wrapped) if isinstance(ret, list) else tuple(wrapped)
+        if isinstance(ret, list) or type(ret) is tuple:
+            return type(ret)(wrapped)
+        if hasattr(ret, "_fields"):  # a namedtuple
+            return type(ret)(*wrapped)
+        return type(ret)(wrapped)  # torch.return_types (sort, max, ...) keep their field names
     return ret
 
 

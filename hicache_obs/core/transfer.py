@@ -54,20 +54,23 @@ def pair_runs(host: list[int], device: list[int]) -> Runs3:
 
 
 # ------------------------------------------------------------------ kernels
+# torch's index ops want self, index and source on one device; on cuda the host
+# planes are (pinned) CPU memory, so gather/scatter on each side's own device and
+# let `.to` move the data between them. Under sim and cpu every `.to` is a no-op.
 def _d2h_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    host.index_copy_(1, hidx, dev.index_select(1, didx))
+    host.index_copy_(1, hidx.to(host.device), dev.index_select(1, didx).to(host.device))
 
 
 def _d2h_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    host.index_copy_(0, hidx, dev.index_select(1, didx).transpose(0, 1))
+    host.index_copy_(0, hidx.to(host.device), dev.index_select(1, didx).transpose(0, 1).to(host.device))
 
 
 def _h2d_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor, layer: int) -> None:
-    dev[layer].index_copy_(0, didx, host[layer].index_select(0, hidx))
+    dev[layer].index_copy_(0, didx, host[layer].index_select(0, hidx.to(host.device)).to(dev.device))
 
 
 def _h2d_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor, layer: int) -> None:
-    dev[layer].index_copy_(0, didx, host.select(1, layer).index_select(0, hidx))
+    dev[layer].index_copy_(0, didx, host.select(1, layer).index_select(0, hidx.to(host.device)).to(dev.device))
 
 
 def _d2h_runs_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
