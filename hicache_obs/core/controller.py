@@ -55,7 +55,14 @@ from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ModelSpec
-from .transfer import IO_BACKENDS, check_kernel_indices, launch_backup, launch_load_layer, pair_runs
+from .transfer import (
+    IO_BACKENDS,
+    check_kernel_indices,
+    launch_backup,
+    launch_load_all,
+    launch_load_layer,
+    pair_runs,
+)
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR"]
 
@@ -697,10 +704,16 @@ class HiCacheController:
                 check_kernel_indices(rt, pool, h, d)
             plan.append((self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d)))
         events = []
+        if not rt.has_device:
+            # nothing can overlap a synchronous copy: move every layer in one pass, then
+            # mark the layers done (each layer's event still follows its data)
+            for hp, dp, h, d, runs in plan:
+                if h.numel():
+                    launch_load_all(rt, hp, dp, h, d, runs)
         for layer in range(self.spec.num_layers):
             for hp, dp, h, d, runs in plan:
                 local = dp.layer_index.get(layer)
-                if local is not None and h.numel():
+                if local is not None and h.numel() and rt.has_device:
                     launch_load_layer(rt, hp, dp, local, h, d, runs)
             ev = self.layer_done_counter.layer_event(producer_id, layer) if producer_id >= 0 else rt.event(self.enable_timing)
             ev.record(self.load_stream)

@@ -86,12 +86,15 @@ class SlotAllocator:
             self._emit(AllocationFailed, pool=self.pool, tier=self.tier, requested=n, available=self.table.available)
             return None
         pages = self.table.peek(n // ps)
+        page_runs = runs_from_list(pages)
+        runs = page_runs if ps == 1 else tuple((p * ps, k * ps) for p, k in page_runs)
+        self._emit(SlotsAllocated, pool=self.pool, tier=self.tier, indices=runs, op=op)
+        if len(runs) == 1:
+            return torch.arange(runs[0][0], runs[0][0] + n, dtype=torch.int64)
         if ps == 1:
-            slots = pages
-        else:
-            slots = [p * ps + i for p in pages for i in range(ps)]
-        self._emit(SlotsAllocated, pool=self.pool, tier=self.tier, indices=runs_from_list(slots), op=op)
-        return torch.tensor(slots, dtype=torch.int64)
+            return torch.tensor(pages, dtype=torch.int64)
+        base = torch.tensor(pages, dtype=torch.int64).mul_(ps).unsqueeze(1)
+        return (base + torch.arange(ps, dtype=torch.int64)).reshape(-1)
 
     def check_allocated(self, values: list[int], arg: str) -> None:
         """Raise unless every value is an allocated slot of this pool and tier."""

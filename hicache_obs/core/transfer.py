@@ -14,7 +14,14 @@ from ..errors import IndexNotOnDeviceError, InvalidIndicesError, LengthMismatchE
 from .pools import DevicePool, HostPool
 from .runtime import Runtime
 
-__all__ = ["IO_BACKENDS", "check_kernel_indices", "pair_runs", "launch_backup", "launch_load_layer"]
+__all__ = [
+    "IO_BACKENDS",
+    "check_kernel_indices",
+    "pair_runs",
+    "launch_backup",
+    "launch_load_layer",
+    "launch_load_all",
+]
 
 IO_BACKENDS = ("kernel", "direct")
 
@@ -75,22 +82,58 @@ def _h2d_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, did
 
 def _d2h_runs_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
     for h, d, n in runs:
-        host[:, h : h + n].copy_(dev[:, d : d + n])
+        host.narrow(1, h, n).copy_(dev.narrow(1, d, n))
 
 
 def _d2h_runs_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
     for h, d, n in runs:
-        host[h : h + n].copy_(dev[:, d : d + n].transpose(0, 1))
+        host.narrow(0, h, n).copy_(dev.narrow(1, d, n).transpose(0, 1))
 
 
 def _h2d_runs_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3, layer: int) -> None:
     for h, d, n in runs:
-        dev[layer, d : d + n].copy_(host[layer, h : h + n])
+        dev[layer].narrow(0, d, n).copy_(host[layer].narrow(0, h, n))
 
 
 def _h2d_runs_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3, layer: int) -> None:
     for h, d, n in runs:
-        dev[layer, d : d + n].copy_(host[h : h + n, layer])
+        dev[layer].narrow(0, d, n).copy_(host.narrow(0, h, n).select(1, layer))
+
+
+def _h2d_runs_all_lf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
+    for h, d, n in runs:
+        dev.narrow(1, d, n).copy_(host.narrow(1, h, n))
+
+
+def _h2d_runs_all_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None:
+    for h, d, n in runs:
+        dev.narrow(1, d, n).copy_(host.narrow(0, h, n).transpose(0, 1))
+
+
+def _h2d_index_all_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
+    dev.index_copy_(1, didx, host.index_select(1, hidx.to(host.device)).to(dev.device))
+
+
+def _h2d_index_all_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
+    dev.index_copy_(1, didx, host.index_select(0, hidx.to(host.device)).transpose(0, 1).to(dev.device))
+
+
+def launch_load_all(
+    runtime: Runtime,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    runs: Runs3 | None,
+) -> None:
+    """Host -> device, every layer at once: for runtimes where nothing overlaps the copy."""
+    lf = host_pool.layout == "layer_first"
+    for name, hplane in host_pool.planes.items():
+        dplane = device_pool.planes[name]
+        if runs is not None:
+            runtime.launch(_h2d_runs_all_lf if lf else _h2d_runs_all_pf, hplane, dplane, runs)
+        else:
+            runtime.launch(_h2d_index_all_lf if lf else _h2d_index_all_pf, hplane, dplane, host_idx, dev_idx)
 
 
 def launch_backup(

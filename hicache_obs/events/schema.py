@@ -9,7 +9,7 @@ index tensor (where it lives, how long, its address) without keeping it alive.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -221,8 +221,11 @@ EVENT_TYPES: dict[str, type[Event]] = {
 
 def runs_from_list(values: list[int]) -> Runs:
     """Run-length encode a list of ints: ``[3,4,5,9]`` -> ``((3,3),(9,1))``."""
-    if not values:
+    n = len(values)
+    if n == 0:
         return ()
+    if n > 48:
+        return _runs_numpy(values)
     out: list[tuple[int, int]] = []
     start = prev = values[0]
     for v in values[1:]:
@@ -233,6 +236,16 @@ def runs_from_list(values: list[int]) -> Runs:
         start = prev = v
     out.append((start, prev - start + 1))
     return tuple(out)
+
+
+def _runs_numpy(values: Any) -> Runs:
+    import numpy as np
+
+    a = np.asarray(values, dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(a) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [a.size]))
+    return tuple(zip(a[starts].tolist(), (ends - starts).tolist()))
 
 
 def expand_runs(runs: Runs) -> list[int]:
