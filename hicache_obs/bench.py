@@ -375,7 +375,8 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
     from .workload import controller_options
 
     spec = ModelSpec.tiny_hybrid()
-    c = make_controller(spec, log=log, runtime=runtime, **controller_options(spec))
+    detail = "bookkeeping" if config == "bare" else "full"
+    c = make_controller(spec, log=log, runtime=runtime, event_detail=detail, **controller_options(spec))
 
     def close() -> None:
         c.close()

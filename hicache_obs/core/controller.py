@@ -64,9 +64,11 @@ from .transfer import (
     pair_runs,
 )
 
-__all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR"]
+__all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
 
 ANCHOR = "kv"
+#: ``event_detail`` values: every event, or only those the bookkeeping fold needs.
+EVENT_DETAILS = ("full", "bookkeeping")
 _log = logging.getLogger("hicache_obs.controller")
 
 
@@ -125,6 +127,7 @@ class HiCacheController:
         log: EventLog | None = None,
         rank: int = 0,
         enable_timing: bool = True,
+        event_detail: str = "full",
     ) -> None:
         if io_backend not in IO_BACKENDS:
             raise UnknownBackendError(f"unknown io backend {io_backend!r}; expected one of {', '.join(IO_BACKENDS)}")
@@ -157,6 +160,12 @@ class HiCacheController:
         self.state = CacheState()
         self._unsubscribe_state = self.log.subscribe(self.state.apply, first=True)
         self.enable_timing = enable_timing
+        if event_detail not in EVENT_DETAILS:
+            raise ConfigError(f"event_detail must be one of {', '.join(EVENT_DETAILS)}, got {event_detail!r}")
+        # "bookkeeping": only the events the state fold needs (no index moves, no stream
+        # records, no tensor descriptions): the baseline the bench measures against
+        self.event_detail = event_detail
+        self._detail = event_detail == "full"
         self._lock = threading.RLock()
         self._closed = False
         self._next_id = 0
@@ -553,7 +562,7 @@ class HiCacheController:
             )
         if self.io_backend == "kernel":
             if rt.has_device and not rt.is_device(host_indices):
-                known = host_indices.tolist()
+                known = host_indices.tolist() if self._detail else None
                 moved = rt.to_device(host_indices, non_blocking=True)
                 self._moved(op, pool, "host", host_indices, moved, known)
                 host_indices = moved
@@ -575,6 +584,8 @@ class HiCacheController:
     def _moved(
         self, op: int, pool: str, role: str, src: torch.Tensor, dst: torch.Tensor, known: list[int] | None
     ) -> None:
+        if not self._detail:
+            return
         self.log.emit(
             IndicesMoved,
             op=op,
@@ -609,7 +620,10 @@ class HiCacheController:
         for role, t in (("host", host), ("device", device)):
             if rt.is_device(t):
                 rt.record_stream(t, stream)
-                self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=self._ref(t, pool, role))
+                if self._detail:
+                    self.log.emit(
+                        StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=self._ref(t, pool, role)
+                    )
 
     # ----------------------------------------------------------- submission
     def _pairs(self, op: CacheOperation) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -640,7 +654,7 @@ class HiCacheController:
         bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
         aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
         refs = []
-        for pool, h, d in pairs:
+        for pool, h, d in pairs if self._detail else ():
             # a pool that reuses another pool's indices does not own those slots: no values
             refs.append(self._ref(h, pool, "host", [] if pool in aliased else None))
             refs.append(self._ref(d, pool, "device", [] if pool in aliased else None))

@@ -122,3 +122,28 @@ def test_controller_takes_a_policy_by_name_or_object(make_controller, runtime_na
     assert make_controller(write_policy=p).write_policy is p
     with pytest.raises(ConfigError, match="'sometimes'"):
         make_controller(write_policy="sometimes")
+
+
+def test_bookkeeping_detail_emits_only_what_the_fold_needs() -> None:
+    from hicache_obs.core import HiCacheController, ModelSpec
+    from hicache_obs.errors import ConfigError
+    from hicache_obs.events import IndicesMoved, StreamRecorded, TransferSubmitted
+    from hicache_obs.events.state import fold
+
+    full = HiCacheController(ModelSpec.tiny(), runtime="sim", device_size=256)
+    lean = HiCacheController(ModelSpec.tiny(), runtime="sim", device_size=256, event_detail="bookkeeping")
+    for c in (full, lean):
+        kv = c.alloc_device(32)
+        host = c.write(kv, node_id=1)
+        c.poll_writes()
+        c.evict_device(kv)
+        c.load(host, node_id=1)
+        c.start_loading()
+        c.poll_loads()
+    lean_types = {type(e) for e in lean.log.events()}
+    assert IndicesMoved not in lean_types and StreamRecorded not in lean_types
+    assert {type(e) for e in full.log.events()} - lean_types == {IndicesMoved, StreamRecorded}
+    assert all(e.tensors == () for e in lean.log.events() if isinstance(e, TransferSubmitted))
+    assert fold(lean.log.events()).snapshot() == lean.state.snapshot() == full.state.snapshot()
+    with pytest.raises(ConfigError, match="event_detail must be one of full, bookkeeping, got 'some'"):
+        HiCacheController(ModelSpec.tiny(), event_detail="some")
