@@ -87,7 +87,7 @@ class SinkRunner:
         policy: str = "drop",
         block_timeout: float = 1.0,
         batch_size: int = 4096,
-        interval: float = 0.005,
+        interval: float = 0.05,
         start_seq: int | None = None,
     ) -> None:
         if policy not in ("drop", "block"):
