@@ -78,6 +78,24 @@ class _FreeList:
             self.holes.add(p)
             self.n -= 1
 
+    def take_range(self, p0: int, p1: int) -> None:
+        """Pages ``p0..p1-1`` were allocated (they were all free)."""
+        if p0 == self.fresh and not self.holes:
+            self.fresh = p1
+            self.n -= p1 - p0
+            return
+        for p in range(p0, p1):
+            self.take(p)
+
+    def push_range(self, p0: int, p1: int) -> None:
+        """Pages ``p0..p1-1`` became free (they were all allocated)."""
+        if self.holes:
+            for p in range(p0, p1):
+                self.push(p)
+            return
+        self.freed.update(dict.fromkeys(range(p0, p1)))
+        self.n += p1 - p0
+
     def push(self, p: int) -> None:
         """Page ``p`` became free: it joins the back of the list."""
         if p in self.freed or (p >= self.fresh and p not in self.holes):
@@ -161,12 +179,11 @@ class SlotTable:
                 a[start:end] = b"\x01" * length
                 added += length
                 if pu is None:
-                    for s in range(start, end):
-                        fp.take(s)
+                    fp.take_range(start, end)
                 elif start % ps == 0 and length % ps == 0:  # whole pages
-                    for p in range(start // ps, end // ps):
-                        pu[p] = ps
-                        fp.take(p)
+                    p0, p1 = start // ps, end // ps
+                    pu[p0:p1] = bytes((ps,)) * (p1 - p0)
+                    fp.take_range(p0, p1)
                 else:
                     for s in range(start, end):
                         p = s // ps
@@ -207,13 +224,12 @@ class SlotTable:
                 a[start:end] = bytes(length)
                 freed += length
                 if pu is None:
-                    for s in range(start, end):
-                        fp.push(s)
+                    fp.push_range(start, end)
                     continue
                 if start % ps == 0 and length % ps == 0:  # whole pages
-                    for p in range(start // ps, end // ps):
-                        pu[p] = 0
-                        fp.push(p)
+                    p0, p1 = start // ps, end // ps
+                    pu[p0:p1] = bytes(p1 - p0)
+                    fp.push_range(p0, p1)
                     continue
                 for s in range(start, end):
                     p = s // ps
