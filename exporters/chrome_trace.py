@@ -28,7 +28,6 @@ import json
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from hicache_obs.events.schema import (
@@ -231,14 +230,9 @@ def _counter(ev: Event, t0: int, pool: str, tier: str, value: int) -> dict[str, 
 
 def write_chrome_trace(events: Iterable[Event], path: str | os.PathLike[str]) -> None:
     """Write :func:`chrome_trace` of ``events`` to ``path`` (atomically: temp file, then rename)."""
-    data = chrome_trace(events)
-    target = Path(path)
-    if target.parent != Path(""):
-        target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, separators=(",", ":"))
-    os.replace(tmp, target)
+    from hicache_obs._files import write_text
+
+    write_text(path, json.dumps(chrome_trace(events), separators=(",", ":")))
 
 
 class ChromeTraceSink:

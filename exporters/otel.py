@@ -29,6 +29,20 @@ a ``BatchSpanProcessor`` and an OTLP/HTTP exporter configured by the standard
 ``OTEL_RESOURCE_ATTRIBUTES`` environment variables, and shuts it down on
 ``close()``. The global provider is never set.
 
+Delivery failures are counted, never silent: with its own provider the sink wraps
+the span exporter, so every batch the endpoint refused, timed out on or that
+raised adds its spans to ``spans_dropped`` and one to ``export_errors``
+(``spans_exported`` counts the delivered ones); spans the SDK's queue lost
+(overflow, or still queued at shutdown) are added to ``spans_dropped`` on
+``close()``. :meth:`OtelSpanSink.delivery_stats` gives both, and the Prometheus
+exporter reports them as ``hicache_events_dropped_total{sink="otel"}`` and
+``hicache_exporter_errors_total{sink="otel"}`` (next to what the sink's runner
+dropped). ``flush()`` and ``close()`` are bounded: exports that would start after
+``flush_timeout_s`` fail at once (counted), and on ``close()`` the exporter is
+shut down at that deadline so no retry backoff outlives it; one export already on
+the wire still runs to its own timeout (``export_timeout_s``, else
+``OTEL_EXPORTER_OTLP[_TRACES]_TIMEOUT``, 10 s by default).
+
 :meth:`OtelSpanSink.span_ids` gives the (hex) trace and span id of an op's span,
 for log correlation (:class:`~hicache_obs.exporters.structlog_sink.StructlogSink`).
 :func:`otlp_json` renders a replayed log as an OTLP/JSON
@@ -39,6 +53,7 @@ deterministic ids.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -85,6 +100,8 @@ SPAN_ATTRIBUTES = (
 )
 
 _INCOMPLETE = "incomplete_operation: submitted but never completed or failed"
+
+_log = logging.getLogger("hicache_obs.exporters.otel")
 
 
 def _version() -> str:
@@ -162,12 +179,72 @@ def _span_event(ev: Event) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+class _CountingExporter:
+    """Wraps a span exporter: counts delivered and failed spans, refuses exports past a deadline.
+
+    A SpanExporter (``export``, ``shutdown``, ``force_flush``) for the SDK's batch
+    processor. It never raises: an exporter that raises counts as a failed export.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.deadline: float | None = None  # time.monotonic(); exports starting later fail at once
+        self.exported = 0  # spans delivered
+        self.failed = 0  # spans in batches that failed (refused, timed out, raised, past the deadline)
+        self.errors = 0  # failed export calls
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        n = len(spans)
+        deadline = self.deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            ok = False
+        else:
+            try:
+                ok = self.inner.export(spans) == SpanExportResult.SUCCESS
+            except Exception:
+                _log.exception("span exporter %s raised on a batch of %d spans", type(self.inner).__name__, n)
+                ok = False
+        with self._lock:
+            if ok:
+                self.exported += n
+            else:
+                self.failed += n
+                self.errors += 1
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def abort(self) -> None:
+        """Shut the inner exporter down now: its retry backoff ends and later exports fail."""
+        with self._lock:
+            if self._shut:
+                return
+            self._shut = True
+        try:
+            self.inner.shutdown()
+        except Exception:
+            _log.exception("span exporter %s failed to shut down", type(self.inner).__name__)
+
+    def shutdown(self) -> None:
+        self.abort()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        flush = getattr(self.inner, "force_flush", None)
+        return bool(flush(timeout_millis)) if flush is not None else True
+
+
 class OtelSpanSink:
     """Turns merged operations into OpenTelemetry spans (see module docstring).
 
     ``tracer_provider``: an SDK (or any API) ``TracerProvider``; None builds one
     from the ``OTEL_*`` environment (:func:`make_tracer_provider`), owned and shut
-    down by this sink. ``max_ids``: how many ops' span ids :meth:`span_ids` remembers.
+    down by this sink, whose export failures are counted (``spans_dropped``,
+    ``export_errors``). ``exporter``: the span exporter of that own provider
+    (default: OTLP/HTTP from the environment, with ``export_timeout_s`` seconds per
+    request when given). ``flush_timeout_s``: the budget of ``flush()`` and of
+    ``close()``. ``max_ids``: how many ops' span ids :meth:`span_ids` remembers.
     """
 
     name = "otel"
@@ -179,9 +256,20 @@ class OtelSpanSink:
         service_name: str = "hicache-obs",
         max_ids: int = 65536,
         flush_timeout_s: float = 5.0,
+        exporter: Any = None,
+        export_timeout_s: float | None = None,
     ) -> None:
         self._owns_provider = tracer_provider is None
-        self.provider = tracer_provider if tracer_provider is not None else make_tracer_provider(service_name)
+        self._exporter: _CountingExporter | None = None
+        if tracer_provider is None:
+            if exporter is None:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+                exporter = OTLPSpanExporter(timeout=export_timeout_s)
+            self._exporter = _CountingExporter(exporter)
+            self.provider = make_tracer_provider(service_name, exporter=self._exporter)
+        else:
+            self.provider = tracer_provider
         self.tracer = self.provider.get_tracer(INSTRUMENTATION_NAME, _version())
         self.max_ids = max_ids
         self.flush_timeout_s = flush_timeout_s
@@ -195,6 +283,7 @@ class OtelSpanSink:
         self.closed = False
         self.spans_started = 0
         self.spans_ended = 0
+        self._lost_in_queue = 0
 
     # ------------------------------------------------------------ sink API
     def handle(self, event: Event) -> None:
@@ -208,12 +297,22 @@ class OtelSpanSink:
             self._cv.notify_all()
 
     def flush(self) -> None:
-        """End the spans of every completed op and flush the provider."""
+        """End the spans of every completed op and flush the provider (within ``flush_timeout_s``)."""
         with self._lock:
             for rec in self._table.settle_all():
                 self._end(rec)
         flush = getattr(self.provider, "force_flush", None)
-        if flush is not None:
+        if flush is None:
+            return
+        ex = self._exporter
+        if ex is not None and ex.deadline is None:
+            # the SDK's force_flush exports every queued batch and ignores its timeout
+            ex.deadline = time.monotonic() + self.flush_timeout_s
+            try:
+                flush(int(self.flush_timeout_s * 1000))
+            finally:
+                ex.deadline = None
+        else:
             flush(int(self.flush_timeout_s * 1000))
 
     def close(self) -> None:
@@ -228,12 +327,54 @@ class OtelSpanSink:
             self.closed = True
         with self._cv:
             self._cv.notify_all()
-        if self._owns_provider:
-            self.provider.shutdown()
-        else:
+        if not self._owns_provider:
             flush = getattr(self.provider, "force_flush", None)
             if flush is not None:
                 flush(int(self.flush_timeout_s * 1000))
+            return
+        ex = self._exporter
+        assert ex is not None
+        ex.deadline = time.monotonic() + self.flush_timeout_s
+        # at the deadline the exporter is shut down: a retry backoff ends there
+        timer = threading.Timer(self.flush_timeout_s, ex.abort)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.provider.shutdown()
+        finally:
+            timer.cancel()
+        with ex._lock:
+            lost = self.spans_ended - ex.exported - ex.failed
+            self._lost_in_queue = max(0, lost)
+        if self.spans_dropped:
+            _log.warning(
+                "otel: %d of %d spans not exported (%d failed exports)",
+                self.spans_dropped,
+                self.spans_ended,
+                self.export_errors,
+            )
+
+    # ---------------------------------------------------------- delivery
+    @property
+    def spans_exported(self) -> int:
+        """Spans the exporter delivered (own provider only; 0 otherwise)."""
+        return self._exporter.exported if self._exporter is not None else 0
+
+    @property
+    def spans_dropped(self) -> int:
+        """Spans that never reached the endpoint: failed exports, plus (after ``close()``) queue losses."""
+        if self._exporter is None:
+            return 0
+        return self._exporter.failed + self._lost_in_queue
+
+    @property
+    def export_errors(self) -> int:
+        """Failed export calls (refused, timed out, raised, or past the flush/close deadline)."""
+        return self._exporter.errors if self._exporter is not None else 0
+
+    def delivery_stats(self) -> dict[str, int]:
+        """``{"dropped": spans_dropped, "errors": export_errors}``, read by the Prometheus exporter."""
+        return {"dropped": self.spans_dropped, "errors": self.export_errors}
 
     # ---------------------------------------------------------- span ids
     def span_ids(self, op: int, rank: int = 0) -> tuple[str, str] | None:

@@ -47,6 +47,7 @@ shared multiprocess directory is needed::
 from __future__ import annotations
 
 import bisect
+import logging
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -104,6 +105,8 @@ DEFAULT_QUEUE_WAIT_BUCKETS = (
 )  # fmt: skip
 
 Labels = tuple[str, ...]
+
+_log = logging.getLogger("hicache_obs.exporters.prometheus")
 
 
 class _Histogram:
@@ -392,6 +395,10 @@ class SinkStatsCollector:
 
     Reads ``log.sinks`` (each a :class:`~hicache_obs.events.sinks.SinkRunner` with
     ``name``, ``dropped``, ``errors``) at scrape time; runners with the same name are summed.
+    A sink that loses data after it accepted it (an exporter whose endpoint is down)
+    reports that through an optional ``delivery_stats()`` -> ``{"dropped": n, "errors": n}``
+    (:class:`~hicache_obs.exporters.otel.OtelSpanSink`: spans it could not export), which
+    is added to its runner's counts.
     """
 
     def __init__(self, log: Any) -> None:
@@ -402,8 +409,18 @@ class SinkStatsCollector:
         errors: dict[str, float] = {}
         for runner in self.log.sinks:
             name = str(getattr(runner, "name", type(runner).__name__))
-            dropped[name] = dropped.get(name, 0) + getattr(runner, "dropped", 0)
-            errors[name] = errors.get(name, 0) + getattr(runner, "errors", 0)
+            d = getattr(runner, "dropped", 0)
+            e = getattr(runner, "errors", 0)
+            stats = getattr(getattr(runner, "sink", None), "delivery_stats", None)
+            if callable(stats):
+                try:
+                    own = stats()
+                    d += own.get("dropped", 0)
+                    e += own.get("errors", 0)
+                except Exception:  # a scrape never fails because of one sink
+                    _log.exception("sink %s: delivery_stats() failed", name)
+            dropped[name] = dropped.get(name, 0) + d
+            errors[name] = errors.get(name, 0) + e
         d = CounterMetricFamily(m.EVENTS_DROPPED_TOTAL, m.HELP[m.EVENTS_DROPPED_TOTAL], labels=["sink"])
         e = CounterMetricFamily(m.EXPORTER_ERRORS_TOTAL, m.HELP[m.EXPORTER_ERRORS_TOTAL], labels=["sink"])
         for name in sorted(dropped):

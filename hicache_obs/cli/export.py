@@ -64,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
             json.dump(doc, sys.stdout, separators=(",", ":"))
             sys.stdout.write("\n")
         else:
-            with open(args.otlp_json, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh, separators=(",", ":"))
+            from .._files import write_text
+
+            write_text(args.otlp_json, json.dumps(doc, separators=(",", ":")))
             print(f"wrote {args.otlp_json} (OTLP/JSON, {spans} spans)", file=sys.stderr)
     return EXIT_OK

@@ -230,6 +230,8 @@ class HiCacheController:
         return i
 
     def _pool(self, pool: str, tier: str) -> DevicePool | HostPool:
+        if not isinstance(pool, str):
+            raise UnknownPoolError(f"pool name must be a str, got {type(pool).__name__} {pool!r}")
         pools: dict[str, Any] = self.device_pools if tier == "device" else self.host_pools
         try:
             return pools[pool]  # type: ignore[no-any-return]
@@ -391,13 +393,14 @@ class HiCacheController:
                     raise InvalidIndicesError(
                         f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}'s indices and must not carry its own"
                     )
-                src_ps = 1 if t.indices_from_pool == "mamba" else self.spec.page_size
-                dst_ps = 1 if t.pool == "mamba" else self.spec.page_size
-                if src_ps % dst_ps:
-                    raise PageSizeError(
-                        f"pool transfer {t.pool!r} (page size {dst_ps}) cannot reuse indices of pool "
-                        f"{t.indices_from_pool!r} (page size {src_ps})"
-                    )
+                for tier in ("device", "host"):
+                    src_pool, dst_pool = self._pool(t.indices_from_pool, tier), self._pool(t.pool, tier)
+                    if src_pool.page_size != dst_pool.page_size or src_pool.size != dst_pool.size:
+                        raise PageSizeError(
+                            f"pool transfer {t.pool!r} cannot reuse the indices of pool {t.indices_from_pool!r}: "
+                            f"their {tier} pools differ (page size {dst_pool.page_size} vs {src_pool.page_size}, "
+                            f"{dst_pool.size} vs {src_pool.size} slots)"
+                        )
                 out.append(t)
                 continue
             src = t.device_indices if direction == D2H else t.host_indices
@@ -412,6 +415,13 @@ class HiCacheController:
             raise InvalidIndicesError("pool_transfers names the same pool twice")
         return tuple(out)
 
+    @staticmethod
+    def _check_request(priority: object, node_id: object) -> None:
+        if isinstance(node_id, bool) or not isinstance(node_id, int):
+            raise InvalidIndicesError(f"node_id must be an int, got {type(node_id).__name__} {node_id!r}")
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            raise InvalidIndicesError(f"priority must be an int or None, got {type(priority).__name__} {priority!r}")
+
     def _write(
         self,
         device_indices: torch.Tensor,
@@ -421,6 +431,7 @@ class HiCacheController:
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
             self._check_open()
+            self._check_request(priority, node_id)
             transfers = self._check_transfers(pool_transfers, D2H)
             empty_ok = bool(transfers)
             self._validate(device_indices, arg="device_indices", pool=ANCHOR, tier="device", allow_empty=empty_ok)
@@ -461,6 +472,7 @@ class HiCacheController:
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
             self._check_open()
+            self._check_request(priority, node_id)
             transfers = self._check_transfers(pool_transfers, H2D)
             empty_ok = bool(transfers)
             self._validate(host_indices, arg="host_indices", pool=ANCHOR, tier="host", allow_empty=empty_ok)
@@ -553,7 +565,27 @@ class HiCacheController:
         device indices permuted alike (pairs stay together).
         ``direct`` + ``page_first``/``page_first_direct``: device indices to the CPU.
         """
-        self._check_open()
+        with self._lock:
+            self._check_open()
+            self._pool(pool, "device")
+            for arg, t in (("host_indices", host_indices), ("device_indices", device_indices)):
+                if not isinstance(t, torch.Tensor):
+                    raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+                if t.dtype != torch.int64 or t.dim() != 1:
+                    raise InvalidIndicesError(
+                        f"{arg} for pool {pool!r} must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+                    )
+            rt = self.runtime
+            if rt.has_device and not rt.is_device(device_indices):
+                raise InvalidIndicesError(
+                    f"device_indices for pool {pool!r} must be on device {rt.device}, "
+                    f"got one on {rt.tensor_device(device_indices)}"
+                )
+            return self._move_checked(host_indices, device_indices, op, pool)
+
+    def _move_checked(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor, op: int, pool: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rt = self.runtime
         if host_indices.numel() != device_indices.numel():
             raise LengthMismatchError(
@@ -688,8 +720,11 @@ class HiCacheController:
                 self._record_transfer_indices_on_stream(
                     stream, op.host_indices, op.device_indices, op.pool_transfers, op=op.id
                 )
-        except HiCacheError as exc:
-            _log.warning("transfer of op %d (%s) failed at submission: %s", op.id, direction, exc)
+        except Exception as exc:  # a refused launch is a failed transfer, reaped in FIFO order
+            if isinstance(exc, HiCacheError):
+                _log.warning("transfer of op %d (%s) failed at submission: %s", op.id, direction, exc)
+            else:
+                _log.exception("transfer of op %d (%s) failed at submission", op.id, direction)
             ack.error = f"{type(exc).__name__}: {exc}"
             finish = rt.event(self.enable_timing)
             finish.record()
@@ -813,7 +848,8 @@ class HiCacheController:
 
     def synchronize(self) -> None:
         """Wait for all side-stream work (does not reap acks)."""
-        self.runtime.synchronize()
+        with self._lock:
+            self.runtime.synchronize()
 
     def close(self) -> None:
         """Finish in-flight work, reap every ack, and refuse further calls. Idempotent."""
@@ -870,6 +906,10 @@ class HybridCacheController(HiCacheController):
 
     def move_hybrid_indices(self, op: CacheOperation) -> CacheOperation:
         """Move the anchor's and every pool transfer's indices; returns a new op with new transfers."""
+        with self._lock:
+            return self._move_hybrid(op)
+
+    def _move_hybrid(self, op: CacheOperation) -> CacheOperation:
         # check every transfer before moving anything: a half-moved op would leave
         # IndicesMoved events and moved copies behind for an op that never runs
         transfers = op.pool_transfers or ()

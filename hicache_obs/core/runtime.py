@@ -20,6 +20,7 @@ Three implementations: ``cpu`` (synchronous, nothing is a device tensor),
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
@@ -125,21 +126,22 @@ class CpuRuntime:
 
     def __init__(self) -> None:
         self._main = _CpuStream("main")
-        self._current: Any = self._main
+        self._tls = threading.local()  # the current stream is per thread
 
     def stream(self, name: str) -> _CpuStream:
         return _CpuStream(name)
 
     def current_stream(self) -> Any:
-        return self._current
+        return getattr(self._tls, "stream", self._main)
 
     @contextlib.contextmanager
     def use(self, stream: Any) -> Iterator[Any]:
-        prev, self._current = self._current, stream
+        prev = self.current_stream()
+        self._tls.stream = stream
         try:
             yield stream
         finally:
-            self._current = prev
+            self._tls.stream = prev
 
     def event(self, enable_timing: bool = False) -> _CpuEvent:
         return _CpuEvent()

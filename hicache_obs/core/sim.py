@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -165,11 +166,16 @@ class SimStream:
         self.is_main = is_main
 
     def submit(self, work: Callable[[], None]) -> int:
-        self.submitted += 1
-        self.queue.append((self.submitted, work))
-        return self.submitted
+        with self.rt._mu:
+            self.submitted += 1
+            self.queue.append((self.submitted, work))
+            return self.submitted
 
     def run_until(self, ticket: int) -> None:
+        with self.rt._mu:
+            self._run_until(ticket)
+
+    def _run_until(self, ticket: int) -> None:
         ran = False
         while self.queue and self.queue[0][0] <= ticket:
             t, work = self.queue.popleft()
@@ -266,7 +272,10 @@ class SimRuntime:
         self._free: dict[int, list[tuple[int, int]]] = {}
         self._deferred_frees: list[tuple[int, int, int, list[tuple[SimStream, int]]]] = []
         self._main = SimStream(self, "main", is_main=True)
-        self._current: SimStream = self._main
+        self._tls = threading.local()  # the current stream is per thread, as in CUDA
+        # one lock for the allocator model and the stream queues: tensors die, and
+        # streams run, on whatever thread drops or polls them
+        self._mu = threading.RLock()
         self._streams: list[SimStream] = []
         self._paused = False
         self._closed = False
@@ -275,6 +284,10 @@ class SimRuntime:
 
     # ----------------------------------------------------------- allocator model
     def _alloc_block(self, nbytes: int) -> _Block:
+        with self._mu:
+            return self._alloc_block_locked(nbytes)
+
+    def _alloc_block_locked(self, nbytes: int) -> _Block:
         size = _size_class(nbytes)
         free = self._free.get(size)
         if free:
@@ -299,6 +312,10 @@ class SimRuntime:
         return len(self._segs) - 1, 0
 
     def _release(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
+        with self._mu:
+            self._release_locked(seg, off, size, streams)
+
+    def _release_locked(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
         if streams:
             pending = [(s, s.submitted) for s in streams if s.submitted > s.completed]
             if pending:
@@ -307,6 +324,10 @@ class SimRuntime:
         self._free.setdefault(size, []).append((seg, off))
 
     def _retire(self) -> None:
+        with self._mu:
+            self._retire_locked()
+
+    def _retire_locked(self) -> None:
         keep = []
         for item in self._deferred_frees:
             seg, off, size, pending = item
@@ -355,16 +376,21 @@ class SimRuntime:
         self._streams.append(s)
         return s
 
+    @property
+    def _current(self) -> SimStream:
+        return getattr(self._tls, "stream", self._main)
+
     def current_stream(self) -> SimStream:
         return self._current
 
     @contextlib.contextmanager
     def use(self, stream: SimStream) -> Iterator[SimStream]:
-        prev, self._current = self._current, stream
+        prev = self._current
+        self._tls.stream = stream
         try:
             yield stream
         finally:
-            self._current = prev
+            self._tls.stream = prev
 
     def event(self, enable_timing: bool = False) -> SimEvent:
         return SimEvent(self, enable_timing)

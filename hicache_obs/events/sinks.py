@@ -201,12 +201,7 @@ class SinkRunner:
                 return False
             self._wake.set()
             self._idle.wait(0.005)
-        try:
-            self.sink.flush()
-        except Exception:
-            self.errors += 1
-            _log.exception("sink %s failed to flush", self.name)
-        return True
+        return self._bounded(self.sink.flush, "flush", deadline)
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Deliver what is published, flush, stop the worker and close the sink."""
@@ -222,11 +217,7 @@ class SinkRunner:
         if left > 0:
             self.dropped += left
             self.next = self._stopped_at
-        try:
-            self.sink.close()
-        except Exception:
-            self.errors += 1
-            _log.exception("sink %s failed to close", self.name)
+        self._bounded(self.sink.close, "close", None if timeout is None else time.monotonic() + timeout)
         if self.dropped or self.errors:
             _log.warning(
                 "sink %s closed: %d offered, %d handled, %d dropped, %d errors",
@@ -236,6 +227,32 @@ class SinkRunner:
                 self.dropped,
                 self.errors,
             )
+
+    def _bounded(self, fn: Any, what: str, deadline: float | None) -> bool:
+        """Run the sink's ``flush``/``close`` on a helper thread, waiting until ``deadline``.
+
+        A sink that hangs there costs the caller at most the timeout; it counts as an error.
+        """
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                fn()
+            except Exception as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=call, name=f"hicache-sink-{self.name}-{what}", daemon=True)
+        t.start()
+        t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            self.errors += 1
+            _log.error("sink %s did not %s in time; carrying on without it", self.name, what)
+            return False
+        if failed:
+            self.errors += 1
+            _log.error("sink %s failed to %s: %r", self.name, what, failed[0])
+            return False
+        return True
 
     def stats(self) -> dict[str, int]:
         return {

@@ -53,7 +53,9 @@ class JsonlStore:
         if max_bytes <= 0:
             raise ConfigError(f"JsonlStore max_bytes must be > 0, got {max_bytes}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        from .._files import make_dirs
+
+        make_dirs(self.directory)
         self.rank = rank
         self.max_bytes = max_bytes
         self.fsync = fsync
