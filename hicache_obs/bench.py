@@ -136,7 +136,6 @@ def _sample_events(n: int) -> list[Any]:
 
 
 def bench_events(n: int = 200_000, rounds: int = 5) -> dict[str, Any]:
-    from .events.audit import Auditor
     from .events.log import EventLog
     from .events.replay import replay
     from .events.schema import SlotsFreed
@@ -200,8 +199,7 @@ def bench_events(n: int = 200_000, rounds: int = 5) -> dict[str, Any]:
 
     def replay_audit() -> float:
         def run() -> None:
-            res = replay(log_dir)
-            Auditor().feed(res.events).finish()
+            replay(log_dir, audit=True)
 
         return n / _timed(run)
 

@@ -38,7 +38,7 @@ from .schema import (
     TransferSubmitted,
     runs_from_list,
 )
-from .state import SlotTable
+from .state import CacheState, SlotTable
 
 __all__ = ["RULES", "Finding", "Auditor", "audit"]
 
@@ -84,10 +84,12 @@ class _InFlight:
 
 
 class _RankAudit:
-    __slots__ = ("tables", "inflight", "moved")
+    __slots__ = ("inflight", "moved", "state", "tables")
 
-    def __init__(self) -> None:
-        self.tables: dict[tuple[str, str], SlotTable] = {}
+    def __init__(self, fold_state: bool) -> None:
+        # with a full CacheState the auditor's fold is also the replay's bookkeeping
+        self.state = CacheState() if fold_state else None
+        self.tables: dict[tuple[str, str], SlotTable] = self.state.tables if self.state is not None else {}
         self.inflight: dict[int, _InFlight] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
@@ -96,7 +98,8 @@ class _RankAudit:
 class Auditor:
     """Applies the audit rules to a stream of events (one or several ranks)."""
 
-    def __init__(self, emit: Callable[..., Any] | None = None) -> None:
+    def __init__(self, emit: Callable[..., Any] | None = None, *, fold_state: bool = False) -> None:
+        self._fold = fold_state
         self.findings: list[Finding] = []
         self._ranks: dict[int, _RankAudit] = {}
         self._emit = emit
@@ -132,12 +135,33 @@ class Auditor:
 
     def handle(self, ev: Event) -> None:
         h = self._handlers.get(type(ev))
+        r = self._ranks.get(ev.rank)
+        if self._fold:
+            if r is None:
+                r = self._ranks[ev.rank] = _RankAudit(True)
+            state = r.state
+            assert state is not None
+            if type(ev) in _TABLE_EVENTS:
+                if type(ev) is SlotsFreed:
+                    t = r.tables.get((ev.pool, ev.tier))  # type: ignore[attr-defined]
+                    if t is not None:
+                        self._report_free(ev, t.unallocated(ev.indices), t)  # type: ignore[arg-type]
+                state.apply(ev)
+                return
+            state.apply(ev)
+            if h is not None:
+                h(ev, r)
+            return
         if h is None:
             return
-        r = self._ranks.get(ev.rank)
         if r is None:
-            r = self._ranks[ev.rank] = _RankAudit()
+            r = self._ranks[ev.rank] = _RankAudit(False)
         h(ev, r)
+
+    @property
+    def states(self) -> dict[int, CacheState]:
+        """Each rank's bookkeeping (only with ``fold_state=True``)."""
+        return {rank: r.state for rank, r in self._ranks.items() if r.state is not None}
 
     def finish(self) -> list[Finding]:
         """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent."""
@@ -201,7 +225,9 @@ class Auditor:
         t = r.tables.get((ev.pool, ev.tier))
         if t is None:
             return
-        bad = t.apply_free(ev.indices)
+        self._report_free(ev, t.apply_free(ev.indices), t)
+
+    def _report_free(self, ev: SlotsFreed, bad: list[int], t: SlotTable) -> None:
         if bad:
             out = [b for b in bad if not 0 <= b < t.capacity]
             rule_detail = (
@@ -305,6 +331,9 @@ class Auditor:
     def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
         # the rule that explains the failure was reported at submission
         r.inflight.pop(ev.op, None)
+
+
+_TABLE_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed})
 
 
 def audit(events: Iterable[Event]) -> list[Finding]:

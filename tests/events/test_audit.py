@@ -175,3 +175,23 @@ def test_unrecorded_fault_corrupts_data_that_the_real_controller_keeps() -> None
 
     assert scenario(None) is True
     assert scenario("unrecorded-pool-indices") is False
+
+
+@pytest.mark.parametrize(
+    "fault", [None, "unrecorded-pool-indices", "unmoved-pool-indices", "use-after-free", "double-free"]
+)
+def test_replay_with_audit_folds_once_and_agrees_with_both(fault: str | None) -> None:
+    from hicache_obs.events.replay import replay
+
+    c, auditor = _audited(fault, io_backend="kernel")
+    _hybrid_round_trip(c, evict_host_first=fault in ("use-after-free", "double-free"), double_evict=fault == "double-free")
+    kv = c.alloc_device(32)
+    c.write(kv, node_id=99, pool_transfers=[PoolTransfer("mamba", device_indices=c.alloc_device(1, pool="mamba"))])
+    live = auditor.finish()  # the last write is still in flight: incomplete at log end
+    res = replay(c.log.events(), audit=True)
+    plain = replay(c.log.events())
+    assert res.findings is not None
+    assert sorted(f.key() for f in res.findings) == sorted(f.key() for f in live)
+    assert [f.detail for f in res.findings] == [f.detail for f in audit(c.log.events())]
+    assert "incomplete_operation" in {f.rule for f in res.findings}
+    assert res.state.snapshot() == plain.state.snapshot() == c.state.snapshot()
