@@ -422,6 +422,40 @@ class HiCacheController:
         if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
             raise InvalidIndicesError(f"priority must be an int or None, got {type(priority).__name__} {priority!r}")
 
+    def _admit(
+        self,
+        direction: str,
+        given: torch.Tensor,
+        priority: int | None,
+        node_id: int,
+        pool_transfers: Sequence[PoolTransfer] | None,
+    ) -> tuple[int, list[torch.Tensor], tuple[PoolTransfer, ...] | None] | None:
+        """Validate a write (``given`` = device indices) or a load (``given`` = host indices)
+        and allocate the other side in every pool at once; None when a pool is short."""
+        have, need = ("device", "host") if direction == D2H else ("host", "device")
+        arg, other = f"{have}_indices", f"{need}_indices"
+        self._check_open()
+        self._check_request(priority, node_id)
+        transfers = self._check_transfers(pool_transfers, direction)
+        self._validate(given, arg=arg, pool=ANCHOR, tier=have, allow_empty=bool(transfers))
+        reqs = [(ANCHOR, need, given.numel())]
+        for t in transfers or ():
+            if t.indices_from_pool is not None:
+                continue
+            mine = getattr(t, arg)
+            self._validate(mine, arg=arg, pool=t.pool, tier=have)
+            if getattr(t, other) is not None:
+                raise InvalidIndicesError(
+                    f"pool transfer {t.pool!r}: {other} must be None for a "
+                    f"{'write' if direction == D2H else 'load'} (the controller allocates them)"
+                )
+            reqs.append((t.pool, need, mine.numel()))
+        op_id = self._new_id()
+        allocated = self._alloc_many(reqs, op_id)
+        if allocated is None:
+            return None
+        return op_id, allocated, transfers
+
     def _write(
         self,
         device_indices: torch.Tensor,
@@ -430,25 +464,10 @@ class HiCacheController:
         pool_transfers: Sequence[PoolTransfer] | None,
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
-            self._check_open()
-            self._check_request(priority, node_id)
-            transfers = self._check_transfers(pool_transfers, D2H)
-            empty_ok = bool(transfers)
-            self._validate(device_indices, arg="device_indices", pool=ANCHOR, tier="device", allow_empty=empty_ok)
-            for t in transfers or ():
-                if t.indices_from_pool is None:
-                    assert t.device_indices is not None
-                    self._validate(t.device_indices, arg="device_indices", pool=t.pool, tier="device")
-                    if t.host_indices is not None:
-                        raise InvalidIndicesError(
-                            f"pool transfer {t.pool!r}: host_indices must be None for a write (the controller allocates them)"
-                        )
-            op_id = self._new_id()
-            reqs = [(ANCHOR, "host", device_indices.numel())]
-            reqs += [(t.pool, "host", t.device_indices.numel()) for t in transfers or () if t.indices_from_pool is None]  # type: ignore[union-attr]
-            allocated = self._alloc_many(reqs, op_id)
-            if allocated is None:
+            admitted = self._admit(D2H, device_indices, priority, node_id, pool_transfers)
+            if admitted is None:
                 return None
+            op_id, allocated, transfers = admitted
             host = allocated[0]
             resolved = self._resolve_allocated(transfers, allocated[1:], "host")
             op = CacheOperation(
@@ -471,25 +490,10 @@ class HiCacheController:
         pool_transfers: Sequence[PoolTransfer] | None,
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
-            self._check_open()
-            self._check_request(priority, node_id)
-            transfers = self._check_transfers(pool_transfers, H2D)
-            empty_ok = bool(transfers)
-            self._validate(host_indices, arg="host_indices", pool=ANCHOR, tier="host", allow_empty=empty_ok)
-            for t in transfers or ():
-                if t.indices_from_pool is None:
-                    assert t.host_indices is not None
-                    self._validate(t.host_indices, arg="host_indices", pool=t.pool, tier="host")
-                    if t.device_indices is not None:
-                        raise InvalidIndicesError(
-                            f"pool transfer {t.pool!r}: device_indices must be None for a load (the controller allocates them)"
-                        )
-            op_id = self._new_id()
-            reqs = [(ANCHOR, "device", host_indices.numel())]
-            reqs += [(t.pool, "device", t.host_indices.numel()) for t in transfers or () if t.indices_from_pool is None]  # type: ignore[union-attr]
-            allocated = self._alloc_many(reqs, op_id)
-            if allocated is None:
+            admitted = self._admit(H2D, host_indices, priority, node_id, pool_transfers)
+            if admitted is None:
                 return None
+            op_id, allocated, transfers = admitted
             to_dev = self.runtime.to_device
             device = to_dev(allocated[0])
             resolved = self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device")

@@ -8,6 +8,8 @@ page of the ``page_first`` layout moves as one contiguous block.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..errors import IndexNotOnDeviceError, InvalidIndicesError, LengthMismatchError
@@ -118,22 +120,35 @@ def _h2d_index_all_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor,
     dev.index_copy_(1, didx, host.index_select(0, hidx.to(host.device)).transpose(0, 1).to(dev.device))
 
 
-def launch_load_all(
+# kernels by (direction, runs or index, layout), each as (layer_first, page_first)
+_KERNELS: dict[tuple[str, bool], tuple[Any, Any]] = {
+    ("d2h", True): (_d2h_runs_lf, _d2h_runs_pf),
+    ("d2h", False): (_d2h_index_lf, _d2h_index_pf),
+    ("h2d_all", True): (_h2d_runs_all_lf, _h2d_runs_all_pf),
+    ("h2d_all", False): (_h2d_index_all_lf, _h2d_index_all_pf),
+    ("h2d_layer", True): (_h2d_runs_lf, _h2d_runs_pf),
+    ("h2d_layer", False): (_h2d_index_lf, _h2d_index_pf),
+}
+
+
+def _launch(
+    kind: str,
     runtime: Runtime,
     host_pool: HostPool,
     device_pool: DevicePool,
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     runs: Runs3 | None,
+    *layer: int,
 ) -> None:
-    """Host -> device, every layer at once: for runtimes where nothing overlaps the copy."""
-    lf = host_pool.layout == "layer_first"
+    lf, pf = _KERNELS[(kind, runs is not None)]
+    fn = lf if host_pool.layout == "layer_first" else pf
     for name, hplane in host_pool.planes.items():
         dplane = device_pool.planes[name]
         if runs is not None:
-            runtime.launch(_h2d_runs_all_lf if lf else _h2d_runs_all_pf, hplane, dplane, runs)
+            runtime.launch(fn, hplane, dplane, runs, *layer)
         else:
-            runtime.launch(_h2d_index_all_lf if lf else _h2d_index_all_pf, hplane, dplane, host_idx, dev_idx)
+            runtime.launch(fn, hplane, dplane, host_idx, dev_idx, *layer)
 
 
 def launch_backup(
@@ -145,13 +160,19 @@ def launch_backup(
     runs: Runs3 | None,
 ) -> None:
     """Device -> host, all layers of every plane, on the current stream."""
-    lf = host_pool.layout == "layer_first"
-    for name, hplane in host_pool.planes.items():
-        dplane = device_pool.planes[name]
-        if runs is not None:
-            runtime.launch(_d2h_runs_lf if lf else _d2h_runs_pf, hplane, dplane, runs)
-        else:
-            runtime.launch(_d2h_index_lf if lf else _d2h_index_pf, hplane, dplane, host_idx, dev_idx)
+    _launch("d2h", runtime, host_pool, device_pool, host_idx, dev_idx, runs)
+
+
+def launch_load_all(
+    runtime: Runtime,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    host_idx: torch.Tensor,
+    dev_idx: torch.Tensor,
+    runs: Runs3 | None,
+) -> None:
+    """Host -> device, every layer at once: for runtimes where nothing overlaps the copy."""
+    _launch("h2d_all", runtime, host_pool, device_pool, host_idx, dev_idx, runs)
 
 
 def launch_load_layer(
@@ -164,10 +185,4 @@ def launch_load_layer(
     runs: Runs3 | None,
 ) -> None:
     """Host -> device, one (pool-local) layer of every plane, on the current stream."""
-    lf = host_pool.layout == "layer_first"
-    for name, hplane in host_pool.planes.items():
-        dplane = device_pool.planes[name]
-        if runs is not None:
-            runtime.launch(_h2d_runs_lf if lf else _h2d_runs_pf, hplane, dplane, runs, layer)
-        else:
-            runtime.launch(_h2d_index_lf if lf else _h2d_index_pf, hplane, dplane, host_idx, dev_idx, layer)
+    _launch("h2d_layer", runtime, host_pool, device_pool, host_idx, dev_idx, runs, layer)
