@@ -66,12 +66,18 @@ def pair_runs(host: list[int], device: list[int]) -> Runs3:
 # torch's index ops want self, index and source on one device; on cuda the host
 # planes are (pinned) CPU memory, so gather/scatter on each side's own device and
 # let `.to` move the data between them. Under sim and cpu every `.to` is a no-op.
+# Gathers and scatters go layer by layer: torch's index ops on a non-leading dimension
+# of a 4-D tensor take a generic path that is several times slower.
 def _d2h_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    host.index_copy_(1, hidx.to(host.device), dev.index_select(1, didx).to(host.device))
+    h = hidx.to(host.device)
+    for layer in range(dev.shape[0]):
+        host[layer].index_copy_(0, h, dev[layer].index_select(0, didx).to(host.device))
 
 
 def _d2h_index_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    host.index_copy_(0, hidx.to(host.device), dev.index_select(1, didx).transpose(0, 1).to(host.device))
+    h = hidx.to(host.device)
+    for layer in range(dev.shape[0]):
+        host.select(1, layer).index_copy_(0, h, dev[layer].index_select(0, didx).to(host.device))
 
 
 def _h2d_index_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor, layer: int) -> None:
@@ -113,11 +119,13 @@ def _h2d_runs_all_pf(host: torch.Tensor, dev: torch.Tensor, runs: Runs3) -> None
 
 
 def _h2d_index_all_lf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    dev.index_copy_(1, didx, host.index_select(1, hidx.to(host.device)).to(dev.device))
+    for layer in range(dev.shape[0]):
+        _h2d_index_lf(host, dev, hidx, didx, layer)
 
 
 def _h2d_index_all_pf(host: torch.Tensor, dev: torch.Tensor, hidx: torch.Tensor, didx: torch.Tensor) -> None:
-    dev.index_copy_(1, didx, host.index_select(0, hidx.to(host.device)).transpose(0, 1).to(dev.device))
+    for layer in range(dev.shape[0]):
+        _h2d_index_pf(host, dev, hidx, didx, layer)
 
 
 # kernels by (direction, runs or index, layout), each as (layer_first, page_first)
