@@ -112,7 +112,7 @@ class _HostIndicesNotMovedPlain(_HostIndicesNotMovedMixin, HiCacheController):
 class _DoubleFreeMixin:
     def evict_host(self, host_indices: torch.Tensor, pool: str = ANCHOR) -> int:  # type: ignore[override]
         values = host_indices.tolist()
-        self.log.emit(SlotsFreed, pool=pool, tier="host", indices=runs_from_list(values), reason="evict")  # type: ignore[attr-defined]
+        self._emit(SlotsFreed, pool=pool, tier="host", indices=runs_from_list(values), reason="evict")  # type: ignore[attr-defined]
         return len(values)
 
 

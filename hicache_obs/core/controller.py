@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -154,14 +155,22 @@ class HiCacheController:
             if isinstance(write_policy, WritePolicy)
             else WritePolicy(write_policy, write_through_threshold)
         )
-        self._owns_log = log is None
-        self.log = log if log is not None else EventLog(rank=rank)
-        self.rank = self.log.rank
-        self.state = CacheState()
-        self._unsubscribe_state = self.log.subscribe(self.state.apply, first=True)
-        self.enable_timing = enable_timing
         if event_detail not in EVENT_DETAILS:
             raise ConfigError(f"event_detail must be one of {', '.join(EVENT_DETAILS)}, got {event_detail!r}")
+        self._owns_log = log is None
+        self.log = log if log is not None else EventLog(rank=rank)
+        owner_ref = getattr(self.log, "_controller", None)
+        owner = owner_ref() if owner_ref is not None else None
+        if owner is not None and not owner.closed:
+            raise ConfigError(
+                f"this EventLog (rank {self.log.rank}) already records an open {type(owner).__name__}; "
+                "its bookkeeping is the fold of that log, so give each controller (each rank) its own log"
+            )
+        self.rank = self.log.rank
+        self.state = CacheState()
+        self.log._controller = weakref.ref(self)  # type: ignore[attr-defined]
+        self._unsubscribe_state = self.log.subscribe(self._fold, first=True)
+        self.enable_timing = enable_timing
         # "bookkeeping": only the events the state fold needs (no index moves, no stream
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
@@ -189,10 +198,10 @@ class HiCacheController:
                 (dev, "device", dev.size, dev.slot_bytes, "layer_first"),
                 (host, "host", host.size, host.slot_bytes, layout),
             ):
-                self.log.emit(
+                self._emit(
                     PoolCreated, pool=name, tier=tier, capacity=cap, page_size=ps, slot_bytes=sb, layout=lay
                 )
-                pool.allocator = SlotAllocator(name, tier, self.state.table(name, tier), self.log.emit, self.runtime)
+                pool.allocator = SlotAllocator(name, tier, self.state.table(name, tier), self._emit, self.runtime)
             self.device_pools[name] = dev
             self.host_pools[name] = host
 
@@ -220,6 +229,18 @@ class HiCacheController:
         return sizes
 
     # ---------------------------------------------------------------- helpers
+    def _emit(self, cls: Any, **fields: Any) -> Any:
+        """Append an event and fold it at once, also when the log is busy delivering
+        another event (a controller call from inside a subscriber)."""
+        ev = self.log.emit(cls, **fields)
+        if ev.seq > self.state.last_seq:
+            self.state.apply(ev)
+        return ev
+
+    def _fold(self, ev: Any) -> None:
+        if ev.seq > self.state.last_seq:  # not folded by _emit already
+            self.state.apply(ev)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ControllerClosedError("the controller is closed; create a new one")
@@ -538,7 +559,7 @@ class HiCacheController:
 
     def _queue(self, op: CacheOperation, direction: str) -> None:
         self._ops[op.id] = op
-        self.log.emit(
+        self._emit(
             OperationQueued,
             op=op.id,
             direction=direction,
@@ -553,7 +574,7 @@ class HiCacheController:
             return None
         ops = [self._ops.pop(i) for i in ids]
         merged = merge_ops(ops, new_id=self._new_id() if len(ops) > 1 else None)
-        self.log.emit(
+        self._emit(
             OperationsMerged, op=merged.id, merged_ops=tuple(ids), direction=direction, node_ids=tuple(merged.node_ids)
         )
         return merged
@@ -622,7 +643,7 @@ class HiCacheController:
     ) -> None:
         if not self._detail:
             return
-        self.log.emit(
+        self._emit(
             IndicesMoved,
             op=op,
             pool=pool,
@@ -657,7 +678,7 @@ class HiCacheController:
             if rt.is_device(t):
                 rt.record_stream(t, stream)
                 if self._detail:
-                    self.log.emit(
+                    self._emit(
                         StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=self._ref(t, pool, role)
                     )
 
@@ -697,7 +718,7 @@ class HiCacheController:
         start = rt.event(self.enable_timing)
         start.record()  # after the index moves: the side stream is ordered after them
         finish = rt.event(self.enable_timing)
-        self.log.emit(
+        self._emit(
             TransferSubmitted,
             op=op.id,
             direction=direction,
@@ -820,7 +841,7 @@ class HiCacheController:
                     break
                 q.popleft()
                 if a.error is not None:
-                    self.log.emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
+                    self._emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
                     out.append(
                         Ack(a.op_id, direction, a.node_ids, False, a.error, None, None, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
                     )
@@ -830,7 +851,7 @@ class HiCacheController:
                 if a.layer_events is not None:
                     ls = [a.start.elapsed_ns(e) for e in a.layer_events]
                     layers = tuple(x for x in ls if x is not None) if all(x is not None for x in ls) else None
-                self.log.emit(
+                self._emit(
                     TransferCompleted,
                     op=a.op_id,
                     direction=direction,
@@ -864,6 +885,7 @@ class HiCacheController:
             self.poll_writes()
             self.poll_loads()
             self._closed = True
+            self._unsubscribe_state()
             if self._owns_log:
                 self.log.close()
 
