@@ -410,6 +410,14 @@ class HiCacheController:
                     raise UnknownPoolError(
                         f"pool transfer {t.pool!r}: indices_from_pool {t.indices_from_pool!r} is not another pool"
                     )
+                owners = {ANCHOR} | {
+                    o.pool for o in pool_transfers if isinstance(o, PoolTransfer) and o.indices_from_pool is None
+                }
+                if t.indices_from_pool not in owners:
+                    raise UnresolvedTransferError(
+                        f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}, which this request "
+                        "does not move; reuse 'kv' or a pool with its own transfer here"
+                    )
                 if t.host_indices is not None or t.device_indices is not None:
                     raise InvalidIndicesError(
                         f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}'s indices and must not carry its own"
@@ -490,7 +498,9 @@ class HiCacheController:
                 return None
             op_id, allocated, transfers = admitted
             host = allocated[0]
-            resolved = self._resolve_allocated(transfers, allocated[1:], "host")
+            resolved = self._materialise_aliases(
+                host, device_indices, self._resolve_allocated(transfers, allocated[1:], "host")
+            )
             op = CacheOperation(
                 host_indices=host,
                 device_indices=device_indices,
@@ -517,7 +527,9 @@ class HiCacheController:
             op_id, allocated, transfers = admitted
             to_dev = self.runtime.to_device
             device = to_dev(allocated[0])
-            resolved = self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device")
+            resolved = self._materialise_aliases(
+                host_indices, device, self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device")
+            )
             op = CacheOperation(
                 host_indices=host_indices,
                 device_indices=device,
@@ -546,14 +558,30 @@ class HiCacheController:
                 out.append(t.with_indices(t.host_indices, next(it)))
         return tuple(out)
 
+    @staticmethod
+    def _materialise_aliases(
+        host: torch.Tensor, device: torch.Tensor, transfers: tuple[PoolTransfer, ...] | None
+    ) -> tuple[PoolTransfer, ...] | None:
+        """Give each transfer that reuses another pool's indices those indices now, per op:
+        merged ops then concatenate exactly what each op asked for (an alias resolved only
+        after merging would also move the pool for ops that never asked for it)."""
+        if not transfers or all(t.indices_from_pool is None for t in transfers):
+            return transfers
+        sides = {ANCHOR: (host, device)}
+        sides.update({t.pool: (t.host_indices, t.device_indices) for t in transfers if t.indices_from_pool is None})  # type: ignore[misc]
+        return tuple(
+            t if t.indices_from_pool is None else t.with_indices(*sides[t.indices_from_pool])  # type: ignore[arg-type]
+            for t in transfers
+        )
+
     def _slots_by_pool(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
         slots = {ANCHOR: op.host_indices.numel()}
         for t in op.pool_transfers or ():
-            if t.indices_from_pool is not None:
-                n = slots.get(t.indices_from_pool, 0)
-            else:
-                idx = t.host_indices if t.host_indices is not None else t.device_indices
-                n = idx.numel() if idx is not None else 0
+            idx = t.host_indices if t.host_indices is not None else t.device_indices
+            if idx is not None:
+                n = idx.numel()
+            else:  # an alias not resolved yet: it moves as many slots as its source
+                n = op.host_indices.numel() if t.indices_from_pool == ANCHOR else 0
             slots[t.pool] = slots.get(t.pool, 0) + n
         return tuple(slots.items())
 
@@ -941,7 +969,7 @@ class HybridCacheController(HiCacheController):
         transfers = op.pool_transfers or ()
         owners = {ANCHOR} | {t.pool for t in transfers if t.indices_from_pool is None}
         for t in transfers:
-            if t.indices_from_pool is not None:
+            if t.indices_from_pool is not None and t.host_indices is None and t.device_indices is None:
                 if t.indices_from_pool not in owners:
                     raise UnresolvedTransferError(
                         f"pool transfer {t.pool!r} of op {op.id} reuses pool {t.indices_from_pool!r}, which the op lacks"
@@ -964,7 +992,7 @@ class HybridCacheController(HiCacheController):
         out: list[PoolTransfer] = []
         deferred: list[PoolTransfer] = []
         for t in transfers:
-            if t.indices_from_pool is not None:
+            if t.indices_from_pool is not None and t.host_indices is None and t.device_indices is None:
                 deferred.append(t)
                 continue
             assert t.host_indices is not None and t.device_indices is not None  # checked above
