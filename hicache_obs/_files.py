@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 __all__ = ["make_dirs", "write_text", "FILE_MODE", "DIR_MODE"]
@@ -38,14 +40,13 @@ def write_text(path: str | os.PathLike[str], text: str, mode: int = FILE_MODE) -
     target = Path(path)
     if target.parent != Path(""):
         make_dirs(target.parent)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), mode)
+    fd, tmp = tempfile.mkstemp(dir=target.parent if target.parent != Path("") else None, prefix=f".{target.name}.")
     try:
+        os.fchmod(fd, mode & 0o775)  # mkstemp makes 0600; keep group/other read, never other write
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        finally:
-            raise
-    os.replace(tmp, target)
+        raise

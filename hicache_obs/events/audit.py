@@ -21,7 +21,7 @@ The per-event cost is one dict lookup for events no rule looks at.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .schema import (
@@ -36,7 +36,9 @@ from .schema import (
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
+    expand_runs,
     runs_from_list,
+    runs_len,
 )
 from .state import CacheState, SlotTable
 
@@ -81,6 +83,8 @@ class _InFlight:
     submit_seq: int
     # (pool, role) -> device of the index tensor that still needs a record on `stream`
     needs_record: dict[tuple[str, str], str]
+    # (pool, tier) -> slots the transfer reads or writes, where their values are known
+    slots: dict[tuple[str, str], Runs] = field(default_factory=dict)
 
 
 class _RankAudit:
@@ -143,6 +147,7 @@ class Auditor:
             assert state is not None
             if type(ev) in _TABLE_EVENTS:
                 if type(ev) is SlotsFreed:
+                    self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
                     t = r.tables.get((ev.pool, ev.tier))  # type: ignore[attr-defined]
                     if t is not None:
                         self._report_free(ev, t.unallocated(ev.indices), t)  # type: ignore[arg-type]
@@ -225,7 +230,33 @@ class Auditor:
         t = r.tables.get((ev.pool, ev.tier))
         if t is None:
             return
+        self._check_in_flight_free(ev, r)
         self._report_free(ev, t.apply_free(ev.indices), t)
+
+    def _check_in_flight_free(self, ev: SlotsFreed, r: _RankAudit) -> None:
+        """Slots freed while a submitted transfer still uses them: a use after free."""
+        key = (ev.pool, ev.tier)
+        freed: set[int] | None = None
+        for op, f in r.inflight.items():
+            runs = f.slots.get(key)
+            if runs is None:
+                continue
+            if freed is None:
+                freed = set(expand_runs(ev.indices)) if runs_len(ev.indices) <= 1 << 20 else set()
+            hit = sorted(freed.intersection(expand_runs(runs)))
+            if hit:
+                self._report(
+                    "slot_not_allocated",
+                    ev.pool,
+                    "host" if ev.tier == "host" else "device",
+                    op,
+                    ev.rank,
+                    f"{ev.tier} slots {hit[:8]} of pool {ev.pool!r} were freed ({ev.reason}) while "
+                    f"{f.direction} op {op} on stream {f.stream!r} still uses them (use after free)",
+                    stream=f.stream,
+                    direction=f.direction,
+                    seq=ev.seq,
+                )
 
     def _report_free(self, ev: SlotsFreed, bad: list[int], t: SlotTable) -> None:
         if bad:
@@ -252,6 +283,7 @@ class Auditor:
     def _submitted(self, ev: TransferSubmitted, r: _RankAudit) -> None:
         device = ev.device or next((t.device for t in ev.tensors if t.device != "cpu"), "cpu")
         needs: dict[tuple[str, str], str] = {}
+        used: dict[tuple[str, str], Runs] = {}
         by_pool: dict[str, dict[str, int]] = {}
         for t in ev.tensors:
             by_pool.setdefault(t.pool, {})[t.role] = t.numel
@@ -272,6 +304,7 @@ class Auditor:
             values = t.indices if t.indices is not None else r.moved.pop((ev.op, t.pool, t.role), None)
             if values is not None:
                 tier = "host" if t.role == "host" else "device"
+                used[(t.pool, tier)] = values
                 table = r.tables.get((t.pool, tier))
                 if table is not None:
                     bad = table.unallocated(values)
@@ -302,7 +335,7 @@ class Auditor:
                     direction=ev.direction,
                     seq=ev.seq,
                 )
-        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs)
+        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs, used)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
         f = r.inflight.get(ev.op)

@@ -159,8 +159,9 @@ class SinkRunner:
                 nxt += lost
             end = min(pub, nxt + self.batch_size)
             batch = [ring[i & mask] for i in range(nxt, end)]
-            # the producer may have lapped the ring while we read: keep what is intact
-            if batch[0].seq != nxt or batch[-1].seq != end - 1:
+            # the producer may have lapped the ring while we read (any slot, not only the
+            # ends): if it published far enough to reach our range, keep what is intact
+            if log.published - log.ring_size > nxt or batch[0].seq != nxt or batch[-1].seq != end - 1:
                 good = [ev for i, ev in enumerate(batch) if ev.seq == nxt + i]
                 self._drop(len(batch) - len(good))
                 batch = good

@@ -52,7 +52,7 @@ class _FreeList:
     fresh pages taken out of order), then the freed pages in the order they were freed.
     """
 
-    __slots__ = ("fresh", "npages", "holes", "freed", "n")
+    __slots__ = ("fresh", "npages", "holes", "freed", "n", "freed_high")
 
     def __init__(self, npages: int) -> None:
         self.fresh = 0
@@ -60,6 +60,7 @@ class _FreeList:
         self.holes: set[int] = set()
         self.freed: dict[int, None] = {}
         self.n = npages
+        self.freed_high = False  # a page at or above `fresh` was freed (out-of-order use)
 
     def take(self, p: int) -> None:
         """Page ``p`` was allocated: it leaves the free list (no-op if it was not on it)."""
@@ -80,7 +81,7 @@ class _FreeList:
 
     def take_range(self, p0: int, p1: int) -> None:
         """Pages ``p0..p1-1`` were allocated (they were all free)."""
-        if p0 == self.fresh and not self.holes:
+        if p0 == self.fresh and not self.holes and not self.freed_high:
             self.fresh = p1
             self.n -= p1 - p0
             return
@@ -89,7 +90,7 @@ class _FreeList:
 
     def push_range(self, p0: int, p1: int) -> None:
         """Pages ``p0..p1-1`` became free (they were all allocated)."""
-        if self.holes:
+        if self.holes or p1 > self.fresh:
             for p in range(p0, p1):
                 self.push(p)
             return
@@ -100,6 +101,8 @@ class _FreeList:
         """Page ``p`` became free: it joins the back of the list."""
         if p in self.freed or (p >= self.fresh and p not in self.holes):
             return  # already free
+        if p >= self.fresh:
+            self.freed_high = True
         self.holes.discard(p)
         self.freed[p] = None
         self.n += 1

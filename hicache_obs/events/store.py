@@ -16,8 +16,10 @@ counted) and closes it at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,7 @@ class JsonlStore:
         self.write_errors = 0
         self.events_lost = 0
         self._closed = False
+        self._lock = threading.Lock()
         while (self.directory / segment_name(rank, self._index)).exists():
             self._index += 1  # never overwrite an earlier run's segments
 
@@ -88,6 +91,10 @@ class JsonlStore:
 
     def handle_batch(self, events: list[Event]) -> None:
         """Encode and append events; rotates between lines. Raises OSError on a failed write."""
+        with self._lock:
+            self._handle_batch(events)
+
+    def _handle_batch(self, events: list[Event]) -> None:
         if self._closed:
             raise ConfigError("JsonlStore is closed")
         enc = self._enc.encode
@@ -115,16 +122,29 @@ class JsonlStore:
         except OSError:
             self.write_errors += 1
             self.events_lost += n_events
+            # a partial line must not sit in the middle of a segment: cut it off, or
+            # failing that start a new segment with the next batch
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
             raise
         self._size += len(data)
         self.bytes_written += len(data)
         self.events_written += n_events
 
     def flush(self) -> None:
-        if self._fd is not None and self.fsync:
-            os.fsync(self._fd)
+        with self._lock:
+            if self._fd is not None and self.fsync:
+                os.fsync(self._fd)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -195,3 +195,16 @@ def test_replay_with_audit_folds_once_and_agrees_with_both(fault: str | None) ->
     assert [f.detail for f in res.findings] == [f.detail for f in audit(c.log.events())]
     assert "incomplete_operation" in {f.rule for f in res.findings}
     assert res.state.snapshot() == plain.state.snapshot() == c.state.snapshot()
+
+
+def test_freeing_slots_a_transfer_in_flight_still_uses_is_a_use_after_free() -> None:
+    c, auditor = _audited(None, ModelSpec.tiny(), io_backend="kernel")
+    kv = c.alloc_device(32)
+    with c.runtime.paused():  # the backup is queued on the write stream, not run yet
+        host = c.write(kv, node_id=3)
+        c.evict_host(host)
+    c.poll_writes()
+    found = auditor.finish()
+    assert [(f.rule, f.pool, f.role, f.op) for f in found] == [("slot_not_allocated", "kv", "host", 0)]
+    assert "still uses them (use after free)" in found[0].detail
+    assert [f.key() for f in audit(c.log.events())] == [f.key() for f in found]
