@@ -7,8 +7,8 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 - ``index_not_on_device``: the ``kernel`` io backend was handed an index tensor that
   is not on the device;
 - ``length_mismatch``: a pool's host and device index tensors differ in length;
-- ``slot_not_allocated``: a transfer names a slot that is not allocated (use after
-  free, out of range);
+- ``slot_not_allocated``: a transfer names a slot that is not allocated, or slots are
+  freed while a submitted transfer still uses them (use after free, out of range);
 - ``double_free``: slots freed that were already free;
 - ``incomplete_operation``: an op submitted but never completed or failed, at log end.
 
