@@ -19,11 +19,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hicache_obs.events.schema import (
+    AllocationFailed,
     AuditViolation,
     Event,
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
     StreamRecorded,
     TransferCompleted,
     TransferFailed,
@@ -203,6 +207,8 @@ class OpTable:
         if pending and not (isinstance(ev, AuditViolation) and (ev.rank, ev.op) in pending):
             settled = self._settle(ev.rank)
         rec: OpRecord | None = None
+        if type(ev) in _NOT_OP_EVENTS:  # most of a log: allocations and frees
+            return rec, settled
         if isinstance(ev, OperationQueued):
             self._queued[(ev.rank, ev.op)] = ev.ts_ns
         elif isinstance(ev, OperationsMerged):
@@ -254,6 +260,10 @@ class OpTable:
     def unfinished(self) -> list[OpRecord]:
         """Ops merged or submitted that never completed or failed."""
         return [r for r in self.ops.values() if r.done is None]
+
+
+#: Event types that never touch an operation record.
+_NOT_OP_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed})
 
 
 def fold_ops(events: Iterable[Event]) -> tuple[list[OpRecord], list[AuditViolation]]:
