@@ -184,13 +184,13 @@ class CpuRuntime:
 
 
 class _CudaEvent:
-    __slots__ = ("_ev", "_torch")
+    __slots__ = ("_ev",)
 
     def __init__(self, enable_timing: bool) -> None:
         self._ev = torch.cuda.Event(enable_timing=enable_timing)
 
     def record(self, stream: Any = None) -> None:
-        self._ev.record(stream)
+        self._ev.record(getattr(stream, "stream", stream))
 
     def query(self) -> bool:
         return bool(self._ev.query())
@@ -199,13 +199,35 @@ class _CudaEvent:
         self._ev.synchronize()
 
     def wait(self, stream: Any = None) -> None:
-        self._ev.wait(stream)
+        self._ev.wait(getattr(stream, "stream", stream))
 
     def elapsed_ns(self, end: DeviceEvent) -> int | None:
         try:
             return int(self._ev.elapsed_time(end._ev) * 1e6)  # type: ignore[attr-defined]
         except (RuntimeError, AttributeError):
             return None
+
+
+class _NamedCudaStream(torch.cuda.Stream):
+    """A CUDA stream that carries the name events report (``hicache-write``, ...)."""
+
+    def __new__(cls, name: str, device: Any = None, priority: int = 0) -> _NamedCudaStream:
+        self = super().__new__(cls, device=device, priority=priority)
+        self.name = name
+        return self
+
+    def __init__(self, name: str, device: Any = None, priority: int = 0) -> None:
+        pass  # set up in __new__, as torch.cuda.Stream does
+
+
+class _StreamName:
+    """The current stream as torch returns it, with a name beside it."""
+
+    __slots__ = ("name", "stream")
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self.stream = stream
+        self.name = name
 
 
 class CudaRuntime:
@@ -224,28 +246,21 @@ class CudaRuntime:
         self.device = str(self._device)
 
     def stream(self, name: str) -> Any:
-        s = torch.cuda.Stream(device=self._device)
-        s.name = name  # type: ignore[attr-defined]
-        return s
+        return _NamedCudaStream(name, device=self._device)
 
     def current_stream(self) -> Any:
         s = torch.cuda.current_stream(self._device)
-        if not hasattr(s, "name"):
-            try:
-                s.name = "main"  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
-        return s
+        return s if isinstance(s, _NamedCudaStream) else _StreamName(s, "main")
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
+        return torch.cuda.stream(getattr(stream, "stream", stream))
 
     def event(self, enable_timing: bool = False) -> _CudaEvent:
         return _CudaEvent(enable_timing)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         if tensor.is_cuda:
-            tensor.record_stream(stream)
+            tensor.record_stream(getattr(stream, "stream", stream))
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_cuda)
