@@ -178,6 +178,7 @@ def register(sub: Any) -> None:
 
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
+    from ..core.runtime import make_runtime
     from ..core.spec import ModelSpec
     from ..events.audit import Auditor
     from ..events.log import EventLog
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
     spec = ModelSpec.preset(args.model)
     fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
+    runtime = make_runtime(args.runtime)  # so does a runtime this machine lacks: before --out is touched
     out = Path(args.out)
     _prepare_out(out, SEGMENT_GLOB)
 
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         controller = make_controller(
             spec,
             fault=args.fault,
-            runtime=args.runtime,
+            runtime=runtime,
             log=log,
             io_backend=args.io_backend,
             layout=args.layout,
@@ -264,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             "files": {"events": [str(p) for p in store.sink.paths], "trace": str(trace)},
             "metrics_url": metrics_url,
             "otlp_endpoint": otlp_endpoint,
-            "sinks": {r.name: r.stats() for r in log.sinks},
+            "sinks": {r.name: _sink_stats(r) for r in log.sinks},
             "wall_seconds": wall,
         }
         try:  # with --serve, Ctrl-C is how the demo ends, whenever it comes
@@ -278,6 +280,17 @@ def run(args: argparse.Namespace) -> int:
             if not args.serve:
                 raise
     return EXIT_OK
+
+
+def _sink_stats(runner: Any) -> dict[str, int]:
+    """A runner's counts plus what its sink lost after taking events (spans a collector refused)."""
+    st = dict(runner.stats())
+    delivery = getattr(runner.sink, "delivery_stats", None)
+    if delivery is not None:
+        extra = delivery()
+        st["dropped"] += int(extra.get("dropped", 0))
+        st["errors"] += int(extra.get("errors", 0))
+    return st
 
 
 def _prepare_out(out: Path, glob: str) -> None:
@@ -444,7 +457,10 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
         f"metrics: {s['metrics_url']}" + ("" if serving else "  (until exit; --serve keeps it)"),
     ]
     if s["otlp_endpoint"]:
-        lines.append(f"spans:   sent to {s['otlp_endpoint']}")
+        otel = s["sinks"].get("otel", {})
+        lost = otel.get("dropped", 0)
+        note = f"  ({lost} lost: the collector did not take them)" if lost else ""
+        lines.append(f"spans:   exported to {s['otlp_endpoint']}{note}")
     lines += [f"next:    hicache-obs audit {out}", f"         hicache-obs inspect {out}"]
     con.print()
     for line in lines:  # paths and commands stay whole, to be copied

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     res = read_log(args.logs)
     for t in res.torn_lines:
         print(f"hicache-obs: warning: {t.file}:{t.line}: torn last line skipped", file=sys.stderr)
+    res.events = with_audit_findings(res.events)
     if args.chrome_trace:
         from hicache_obs.exporters.chrome_trace import chrome_trace, write_chrome_trace
 
@@ -69,3 +70,43 @@ def run(args: argparse.Namespace) -> int:
             write_text(args.otlp_json, json.dumps(doc, separators=(",", ":")))
             print(f"wrote {args.otlp_json} (OTLP/JSON, {spans} spans)", file=sys.stderr)
     return EXIT_OK
+
+
+def with_audit_findings(events: list[Any]) -> list[Any]:
+    """The events plus an ``AuditViolation`` for every finding the log does not hold yet.
+
+    A log recorded without a live auditor still shows its violations in the exports,
+    as ``audit`` and ``inspect`` (which re-run the rules) show them.
+    """
+    from ..events.audit import audit
+    from ..events.schema import AuditViolation, TransferCompleted, TransferFailed
+
+    logged = {(e.rank, e.op, e.rule, e.pool, e.role) for e in events if isinstance(e, AuditViolation)}
+    missing = [f for f in audit(events) if (f.rank, f.op, f.rule, f.pool, f.role) not in logged]
+    if not missing:
+        return events
+    done = {(e.rank, e.op): e.ts_ns for e in events if isinstance(e, (TransferCompleted, TransferFailed))}
+    last: dict[int, Any] = {}
+    for e in events:
+        last[e.rank] = e
+    out = list(events)
+    next_seq = {rank: e.seq + 1 for rank, e in last.items()}
+    for f in missing:
+        seq = next_seq.get(f.rank, 0)
+        next_seq[f.rank] = seq + 1
+        ts = done.get((f.rank, f.op), last[f.rank].ts_ns if f.rank in last else 0)
+        out.append(
+            AuditViolation(
+                seq=seq,
+                ts_ns=ts,
+                rank=f.rank,
+                op=f.op,
+                rule=f.rule,
+                pool=f.pool,
+                role=f.role,
+                detail=f.detail,
+                stream=f.stream,
+                direction=f.direction,
+            )
+        )
+    return out

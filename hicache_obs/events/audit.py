@@ -171,7 +171,6 @@ class Auditor:
     def finish(self) -> list[Finding]:
         """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent."""
         if not self._finished:
-            self._finished = True
             for rank, r in sorted(self._ranks.items()):
                 for op, f in sorted(r.inflight.items()):
                     self._report(
@@ -186,6 +185,7 @@ class Auditor:
                         direction=f.direction,
                         seq=-1,
                     )
+            self._finished = True  # after the reports: a live auditor logs these too
         return list(self.findings)
 
     # ------------------------------------------------------------- reporting

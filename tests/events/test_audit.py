@@ -208,3 +208,13 @@ def test_freeing_slots_a_transfer_in_flight_still_uses_is_a_use_after_free() -> 
     assert [(f.rule, f.pool, f.role, f.op) for f in found] == [("slot_not_allocated", "kv", "host", 0)]
     assert "still uses them (use after free)" in found[0].detail
     assert [f.key() for f in audit(c.log.events())] == [f.key() for f in found]
+
+
+def test_a_live_auditor_logs_incomplete_operations_at_finish() -> None:
+    c, auditor = _audited(None, ModelSpec.tiny())
+    c.write(c.alloc_device(32), node_id=1)  # never polled
+    found = auditor.finish()
+    logged = [e for e in c.log.events() if isinstance(e, AuditViolation)]
+    assert [(f.rule, f.op) for f in found] == [("incomplete_operation", 0)]
+    assert [(e.rule, e.op, e.pool) for e in logged] == [("incomplete_operation", 0, "*")]
+    assert auditor.finish() == found and len([e for e in c.log.events() if isinstance(e, AuditViolation)]) == 1
