@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -114,26 +115,34 @@ class StructlogSink:
         self._lines: deque[_Line] = deque()
         self.lines_written = 0
         self._closed = False
+        # the runner calls flush/close from another thread than handle_batch
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------ sink API
     def handle(self, event: Event) -> None:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
-        for ev in events:
-            rec, settled = self._table.apply(ev)
-            for r in settled:
-                self._finished(r)
-            if isinstance(ev, AuditViolation) and rec is None:
-                self._violation(ev, None)
-        self._drain(block=True)
+        with self._lock:
+            for ev in events:
+                rec, settled = self._table.apply(ev)
+                for r in settled:
+                    self._finished(r)
+                if isinstance(ev, AuditViolation) and rec is None:
+                    self._violation(ev, None)
+            self._drain(block=True)
 
     def flush(self) -> None:
-        for r in self._table.settle_all():
-            self._finished(r)
-        self._drain(block=True, final=True)
+        with self._lock:
+            for r in self._table.settle_all():
+                self._finished(r)
+            self._drain(block=True, final=True)
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
