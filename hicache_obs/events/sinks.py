@@ -105,6 +105,8 @@ class SinkRunner:
         self.start_seq = log.published if start_seq is None else start_seq
         self.next = self.start_seq  # the next seq this runner hands to the sink
         self.handled = 0
+        self.done = self.start_seq  # every seq below it was handed to the sink (or dropped)
+        self._progress = threading.Condition(threading.Lock())
         self.dropped = 0
         self.errors = 0
         self._wake = threading.Event()
@@ -168,6 +170,9 @@ class SinkRunner:
             self.next = end
             if batch:
                 self._handle(batch)
+            with self._progress:
+                self.done = end
+                self._progress.notify_all()
 
     def _drop(self, n: int) -> None:
         self.dropped += n
@@ -193,15 +198,15 @@ class SinkRunner:
         """Wait until the sink handled every event published so far, then flush it; False on timeout."""
         target = self.log.published
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.next < target or (self.next >= target and not self._idle.is_set() and self._thread.is_alive()):
-            if not self._thread.is_alive():
-                break
-            if self.next >= target and self._idle.is_set():
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            self._wake.set()
-            self._idle.wait(0.005)
+        progress = self._progress
+        with progress:
+            while self.done < target and self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._wake.set()
+                # the worker notifies after every batch it handed to the sink
+                progress.wait(0.05 if left is None else min(left, 0.05))
         return self._bounded(self.sink.flush, "flush", deadline)
 
     def close(self, timeout: float | None = 10.0) -> None:
