@@ -40,7 +40,7 @@ from .schema import (
     runs_from_list,
     runs_len,
 )
-from .state import CacheState, SlotTable
+from .state import CacheState, SlotTable, _invalid_sample
 
 __all__ = ["RULES", "Finding", "Auditor", "audit"]
 
@@ -87,16 +87,119 @@ class _InFlight:
     slots: dict[tuple[str, str], Runs] = field(default_factory=dict)
 
 
+# byte maps that add / take one from every byte of a slice (saturating at 255 / 0)
+_INC = bytes(min(255, i + 1) for i in range(256))
+_DEC = bytes(max(0, i - 1) for i in range(256))
+
+
+class _SlotMap:
+    """What the auditor needs of a pool's slots when it does not keep the replay's
+    bookkeeping: which slots are allocated (one byte each), without the free-page
+    order that only an allocator needs."""
+
+    __slots__ = ("capacity", "_alloc")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._alloc = bytearray(capacity)
+
+    def unallocated(self, runs: Runs) -> list[int]:
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        for start, length in runs:
+            if start < 0 or length <= 0 or start + length > cap:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(0, start, start + length) != -1:
+                bad.extend(s for s in range(start, start + length) if not a[s])
+        return bad
+
+    def apply_alloc(self, runs: Runs) -> list[int]:
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        for start, length in runs:
+            end = start + length
+            if start < 0 or end > cap or length <= 0:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(1, start, end) == -1:
+                a[start:end] = b"\x01" * length
+            else:
+                for s in range(start, end):
+                    if a[s]:
+                        bad.append(s)
+                    a[s] = 1
+        return bad
+
+    def apply_free(self, runs: Runs) -> list[int]:
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        for start, length in runs:
+            end = start + length
+            if start < 0 or end > cap or length <= 0:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(0, start, end) == -1:
+                a[start:end] = bytes(length)
+            else:
+                for s in range(start, end):
+                    if not a[s]:
+                        bad.append(s)
+                    a[s] = 0
+        return bad
+
+
 class _RankAudit:
-    __slots__ = ("inflight", "moved", "state", "tables")
+    __slots__ = ("busy", "inexact", "inflight", "moved", "state", "tables")
 
     def __init__(self, fold_state: bool) -> None:
         # with a full CacheState the auditor's fold is also the replay's bookkeeping
         self.state = CacheState() if fold_state else None
-        self.tables: dict[tuple[str, str], SlotTable] = self.state.tables if self.state is not None else {}
+        self.tables: dict[tuple[str, str], Any] = self.state.tables if self.state is not None else {}
         self.inflight: dict[int, _InFlight] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
+        # (pool, tier) -> per slot, how many in-flight transfers use it: a filter in front
+        # of the exact use-after-free check (which compares the free with every in-flight
+        # op), so that a free no in-flight op touches costs one count per run. It may say
+        # "maybe" wrongly, never "no": keys in `inexact` (no table when an op was
+        # submitted, or a count reached 255) always take the exact check
+        self.busy: dict[tuple[str, str], bytearray] = {}
+        self.inexact: set[tuple[str, str]] = set()
+
+    def mark(self, used: dict[tuple[str, str], Runs], table: bytes) -> None:
+        """Add (``_INC``) or take (``_DEC``) one use for every slot an in-flight op uses."""
+        for key, runs in used.items():
+            busy = self.busy.get(key)
+            if busy is None:
+                t = self.tables.get(key)
+                if t is None:
+                    self.inexact.add(key)
+                    continue
+                busy = self.busy[key] = bytearray(t.capacity)
+            cap = len(busy)
+            for start, length in runs:
+                s, e = max(0, start), min(cap, start + length)
+                if e <= s:
+                    continue
+                chunk = busy[s:e]
+                if table is _INC and chunk.find(255) != -1:
+                    self.inexact.add(key)
+                busy[s:e] = chunk.translate(table)
+
+    def busy_overlaps(self, key: tuple[str, str], runs: Runs) -> bool:
+        """Whether any slot of ``runs`` may be in use by an in-flight transfer."""
+        if key in self.inexact:
+            return True
+        busy = self.busy.get(key)
+        if busy is None:
+            return False
+        cap = len(busy)
+        for start, length in runs:
+            s, e = max(0, start), min(cap, start + length)
+            if e > s and busy.count(0, s, e) != e - s:
+                return True
+        return False
 
 
 class Auditor:
@@ -133,8 +236,39 @@ class Auditor:
         return self
 
     def feed(self, events: Iterable[Event]) -> Auditor:
+        if not self._fold:
+            for ev in events:
+                self.handle(ev)
+            return self
+        # replay: allocations and frees are most of a log; fold them here, with one
+        # table update each (the same result as `handle`, without its layers of calls)
+        handle = self.handle
+        ranks = self._ranks
         for ev in events:
-            self.handle(ev)
+            cls = type(ev)
+            if cls is SlotsAllocated or cls is SlotsFreed:
+                r = ranks.get(ev.rank)
+                t = r.tables.get((ev.pool, ev.tier)) if r is not None else None  # type: ignore[attr-defined]
+                if t is not None:
+                    state = r.state  # type: ignore[union-attr]
+                    if cls is SlotsAllocated:
+                        bad = t.apply_alloc(ev.indices)  # type: ignore[attr-defined]
+                        if bad:
+                            state.anomalies.append(  # type: ignore[union-attr]
+                                (ev.seq, "double_alloc", f"{ev.pool}/{ev.tier} slots {bad[:8]}")  # type: ignore[attr-defined]
+                            )
+                    else:
+                        if r.inflight:  # type: ignore[union-attr]
+                            self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
+                        bad = t.apply_free(ev.indices)  # type: ignore[attr-defined]
+                        if bad:
+                            self._report_free(ev, bad, t)  # type: ignore[arg-type]
+                            state.anomalies.append(  # type: ignore[union-attr]
+                                (ev.seq, "double_free", f"{ev.pool}/{ev.tier} slots {bad[:8]}")  # type: ignore[attr-defined]
+                            )
+                    state.last_seq = ev.seq  # type: ignore[union-attr]
+                    continue
+            handle(ev)
         return self
 
     def handle(self, ev: Event) -> None:
@@ -219,7 +353,7 @@ class Auditor:
 
     # -------------------------------------------------------------- handlers
     def _pool_created(self, ev: PoolCreated, r: _RankAudit) -> None:
-        r.tables[(ev.pool, ev.tier)] = SlotTable(ev.pool, ev.tier, ev.capacity, ev.page_size)
+        r.tables[(ev.pool, ev.tier)] = _SlotMap(ev.capacity)
 
     def _allocated(self, ev: SlotsAllocated, r: _RankAudit) -> None:
         t = r.tables.get((ev.pool, ev.tier))
@@ -235,7 +369,11 @@ class Auditor:
 
     def _check_in_flight_free(self, ev: SlotsFreed, r: _RankAudit) -> None:
         """Slots freed while a submitted transfer still uses them: a use after free."""
+        if not r.inflight:
+            return
         key = (ev.pool, ev.tier)
+        if not r.busy_overlaps(key, ev.indices):
+            return
         freed: set[int] | None = None
         for op, f in r.inflight.items():
             runs = f.slots.get(key)
@@ -258,7 +396,7 @@ class Auditor:
                     seq=ev.seq,
                 )
 
-    def _report_free(self, ev: SlotsFreed, bad: list[int], t: SlotTable) -> None:
+    def _report_free(self, ev: SlotsFreed, bad: list[int], t: SlotTable | _SlotMap) -> None:
         if bad:
             out = [b for b in bad if not 0 <= b < t.capacity]
             rule_detail = (
@@ -335,7 +473,11 @@ class Auditor:
                     direction=ev.direction,
                     seq=ev.seq,
                 )
+        prev = r.inflight.pop(ev.op, None)
+        if prev is not None:  # the same op id submitted twice: its first uses end here
+            r.mark(prev.slots, _DEC)
         r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs, used)
+        r.mark(used, _INC)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
         f = r.inflight.get(ev.op)
@@ -346,6 +488,7 @@ class Auditor:
         f = r.inflight.pop(ev.op, None)
         if f is None:
             return
+        r.mark(f.slots, _DEC)
         for (pool, role), device in f.needs_record.items():
             self._report(
                 "unrecorded_index",
@@ -363,7 +506,9 @@ class Auditor:
 
     def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
         # the rule that explains the failure was reported at submission
-        r.inflight.pop(ev.op, None)
+        f = r.inflight.pop(ev.op, None)
+        if f is not None:
+            r.mark(f.slots, _DEC)
 
 
 _TABLE_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed})

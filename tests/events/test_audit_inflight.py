@@ -1,0 +1,157 @@
+"""The auditor's use-after-free check against in-flight transfers, event by event.
+
+The auditor keeps, per pool and tier, how many in-flight transfers use each slot
+(instead of comparing every free with every in-flight op); these tests pin what
+that count must get right: overlapping ops, completion and failure, an op id
+submitted again, counts past 255, runs out of range, and the replay path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hicache_obs.events.audit import Auditor, Finding
+from hicache_obs.events.replay import replay
+from hicache_obs.events.schema import (
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    TensorRef,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+)
+
+
+class _Log:
+    """Builds a gap-free event sequence for one rank."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def add(self, cls: type, **fields: Any) -> None:
+        self.events.append(cls(seq=len(self.events), ts_ns=1_000 + len(self.events), **fields))
+
+    def pool(self, capacity: int = 1024) -> _Log:
+        self.add(PoolCreated, pool="kv", tier="host", capacity=capacity, page_size=1, slot_bytes=2, layout="layer_first")
+        return self
+
+    def alloc(self, *runs: tuple[int, int]) -> None:
+        self.add(SlotsAllocated, pool="kv", tier="host", indices=tuple(runs))
+
+    def free(self, *runs: tuple[int, int]) -> None:
+        self.add(SlotsFreed, pool="kv", tier="host", indices=tuple(runs), reason="evict")
+
+    def submit(self, op: int, *runs: tuple[int, int]) -> None:
+        n = sum(length for _, length in runs)
+        ref = TensorRef(pool="kv", role="host", device="cpu", numel=n, dtype="int64", ptr=1, indices=tuple(runs))
+        self.add(
+            TransferSubmitted,
+            op=op,
+            direction="d2h",
+            stream="hicache-write",
+            io_backend="direct",
+            layout="layer_first",
+            tensors=(ref,),
+            slots_by_pool=(("kv", n),),
+            bytes_by_pool=(("kv", 2 * n),),
+            device="cpu",
+        )
+
+    def done(self, op: int) -> None:
+        self.add(TransferCompleted, op=op, direction="d2h", duration_ns=5)
+
+    def failed(self, op: int) -> None:
+        self.add(TransferFailed, op=op, direction="d2h", error="refused")
+
+
+def _uaf(findings: list[Finding]) -> list[tuple[int, int]]:
+    """(op, seq) of every use-after-free finding."""
+    return [(f.op, f.seq) for f in findings if f.rule == "slot_not_allocated" and "use after free" in f.detail]
+
+
+def _all_ways(log: _Log) -> list[tuple[int, int]]:
+    """Findings of the live-style auditor, the replay fold, and event-by-event handling: all equal."""
+    plain = Auditor().feed(log.events).finish()
+    folder = Auditor(fold_state=True).feed(log.events)
+    folded = folder.finish()
+    one_by_one = Auditor(fold_state=True)
+    for ev in log.events:
+        one_by_one.handle(ev)
+    res = replay(log.events, audit=True)
+    assert res.findings is not None
+    keys = [(*f.key(), f.seq, f.detail) for f in plain]
+    assert keys == [(*f.key(), f.seq, f.detail) for f in folded]
+    assert keys == [(*f.key(), f.seq, f.detail) for f in one_by_one.finish()]
+    assert keys == [(*f.key(), f.seq, f.detail) for f in res.findings]
+    assert folder.states[0].snapshot() == one_by_one.states[0].snapshot() == res.state.snapshot()
+    return _uaf(plain)
+
+
+def test_free_of_a_slot_in_flight_is_found_and_not_after_completion() -> None:
+    log = _Log().pool()
+    log.alloc((0, 64))
+    log.submit(1, (10, 4), (40, 2))
+    log.free((0, 8))  # not used by op 1
+    used = len(log.events)
+    log.free((41, 1))  # used
+    log.done(1)
+    log.free((10, 4))  # op 1 is over
+    assert _all_ways(log) == [(1, used)]
+
+
+def test_overlapping_ops_each_hold_the_slot_until_their_own_completion() -> None:
+    log = _Log().pool()
+    log.alloc((0, 64))
+    log.submit(1, (0, 8))
+    log.submit(2, (4, 8))
+    log.done(1)
+    used = len(log.events)
+    log.free((5, 1))  # op 2 still reads slot 5
+    log.failed(2)
+    log.free((6, 1))  # nobody does any more
+    assert _all_ways(log) == [(2, used)]
+    # the per-slot counts are back to zero: later frees take the fast path again
+    a = Auditor().feed(log.events)
+    assert set(a._ranks[0].busy[("kv", "host")]) == {0} and not a._ranks[0].inexact
+
+
+def test_an_op_id_submitted_again_replaces_its_earlier_use() -> None:
+    log = _Log().pool()
+    log.alloc((0, 64))
+    log.submit(1, (0, 4))
+    log.submit(1, (20, 4))
+    log.done(1)
+    log.free((0, 4), (20, 4))  # op 1 is over (both of its submissions)
+    assert _all_ways(log) == []
+
+
+def test_more_than_255_transfers_on_one_slot_are_counted_exactly() -> None:
+    log = _Log().pool()
+    log.alloc((0, 16))
+    for op in range(300):
+        log.submit(op, (3, 2))
+    for op in range(299):
+        log.done(op)
+    log.free((4, 1))  # op 299 still uses slot 4
+    seq_in_flight = len(log.events) - 1
+    log.done(299)
+    log.free((3, 1))
+    assert _all_ways(log) == [(299, seq_in_flight)]
+
+
+@pytest.mark.parametrize("runs", [((-3, 5),), ((1020, 10),), ((2000, 1),)])
+def test_runs_outside_the_pool_do_not_break_the_count(runs: tuple[tuple[int, int], ...]) -> None:
+    log = _Log().pool(capacity=1024)
+    log.alloc((0, 8), (1016, 8))
+    log.submit(1, *runs)
+    low = len(log.events)
+    log.free((0, 1))  # in use only by the run that starts below 0 (slots -3..1)
+    high = len(log.events)
+    log.free((1022, 1))  # in use only by the run 1020..1029
+    log.done(1)
+    log.free((1, 1), (1023, 1))
+    expected = {((-3, 5),): [(1, low)], ((1020, 10),): [(1, high)], ((2000, 1),): []}[runs]
+    assert _all_ways(log) == expected
