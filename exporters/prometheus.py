@@ -50,8 +50,10 @@ import bisect
 import logging
 import socket
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from operator import itemgetter
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -82,6 +84,8 @@ from hicache_obs.events.schema import (
 )
 
 from . import metric_names as m
+
+_second = itemgetter(1)
 
 __all__ = [
     "DEFAULT_POOLS",
@@ -249,8 +253,33 @@ class PrometheusSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
+            # most of a log is allocations and frees: count those inline, by type in one pass
+            by_type = self._values[m.EVENTS_TOTAL]
+            for cls, n in Counter(map(type, events)).items():
+                key = (cls.__name__,)
+                by_type[key] = by_type.get(key, 0) + n
+            used = self._used
+            pools = self._pools
+            apply = self._apply_other
+            ev: Any
             for ev in events:
-                self._apply(ev)
+                cls = type(ev)
+                if cls is SlotsAllocated:
+                    k3 = (ev.rank, ev.pool, ev.tier)
+                    used[k3] = used.get(k3, 0) + sum(map(_second, ev.indices))
+                    if ev.pool not in pools:
+                        self._add_pool(ev.pool)
+                elif cls is SlotsFreed:
+                    n = sum(map(_second, ev.indices))
+                    k3 = (ev.rank, ev.pool, ev.tier)
+                    used[k3] = used.get(k3, 0) - n
+                    if ev.pool not in pools:
+                        self._add_pool(ev.pool)
+                    if ev.reason == "evict":
+                        self._inc(m.EVICTIONS_TOTAL, (ev.pool, ev.tier))
+                        self._inc(m.EVICTED_SLOTS_TOTAL, (ev.pool, ev.tier), n)
+                else:
+                    apply(ev)
 
     def flush(self) -> None:
         """Nothing to flush: values are read at scrape time."""
@@ -261,6 +290,10 @@ class PrometheusSink:
 
     def _apply(self, ev: Event) -> None:
         self._inc(m.EVENTS_TOTAL, (type(ev).__name__,))
+        self._apply_other(ev)
+
+    def _apply_other(self, ev: Event) -> None:
+        """Fold one event, except for ``hicache_events_total`` (counted by the caller)."""
         key = (ev.rank, getattr(ev, "op", -1))
         if isinstance(ev, (SlotsAllocated, SlotsFreed)):
             n = runs_len(ev.indices)

@@ -39,15 +39,21 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+import msgspec
 import structlog
 
 from hicache_obs.events.schema import AuditViolation, Event
 
-from ._ops import OpRecord, OpTable
+from ._ops import _NOT_OP_EVENTS, OpRecord, OpTable
 
 __all__ = ["StructlogSink", "make_json_logger", "LEVELS"]
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _dumps(obj: Any, default: Any = None, **_: Any) -> str:
+    """structlog's JSON serializer, through msgspec (several times faster than ``json.dumps``)."""
+    return msgspec.json.encode(obj, enc_hook=default if default is not None else repr).decode()
 
 
 def make_json_logger(file: TextIO | None = None, *, logger: Any = None) -> Any:
@@ -61,7 +67,7 @@ def make_json_logger(file: TextIO | None = None, *, logger: Any = None) -> Any:
         target,
         processors=[
             structlog.processors.add_log_level,
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(serializer=_dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
         context_class=dict,
@@ -124,8 +130,12 @@ class StructlogSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
+            table = self._table
+            pending = table._pending
             for ev in events:
-                rec, settled = self._table.apply(ev)
+                if type(ev) in _NOT_OP_EVENTS and not pending:
+                    continue  # allocations and frees touch no op, and settle none
+                rec, settled = table.apply(ev)
                 for r in settled:
                     self._finished(r)
                 if isinstance(ev, AuditViolation) and rec is None:
