@@ -103,6 +103,26 @@ class _PendingAck:
     error: str | None = None
 
 
+_DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
+
+
+def _side_runs(pair: Any, side: int) -> tuple[tuple[int, int], ...]:
+    """The run-length encoding of one side (0 host, 1 device) of ``pair_runs`` output."""
+    out: list[tuple[int, int]] = []
+    start = end = -1
+    for run in pair:
+        s, n = run[side], run[2]
+        if s == end:
+            end += n
+            continue
+        if end >= 0:
+            out.append((start, end - start))
+        start, end = s, s + n
+    if end >= 0:
+        out.append((start, end - start))
+    return tuple(out)
+
+
 class HiCacheController:
     """Device <-> host cache controller for a plain (KV-only) model.
 
@@ -175,6 +195,9 @@ class HiCacheController:
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
         self._detail = event_detail == "full"
+        # pair runs worked out for a submission's events, reused by its copies (by tensor id,
+        # only while that submission runs: the tensors are alive)
+        self._pair_runs: dict[tuple[int, int], Any] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._next_id = 0
@@ -266,20 +289,45 @@ class HiCacheController:
         assert a is not None
         return a
 
-    def _ref(self, t: torch.Tensor, pool: str, role: str, known: list[int] | None = None) -> TensorRef:
+    def _ref(
+        self, t: torch.Tensor, pool: str, role: str, known: list[int] | None = None, runs: Any = None
+    ) -> TensorRef:
         dev = self.runtime.tensor_device(t)
-        values = known
-        if values is None and dev == "cpu":
-            values = t.tolist()
+        if runs is None:
+            values = known
+            if values is None and dev == "cpu":
+                values = t.tolist()
+            runs = runs_from_list(values) if values else None
         return TensorRef(
             pool=pool,
             role=role,  # type: ignore[arg-type]  # "host" | "device", checked by callers
             device=dev,
             numel=t.numel(),
-            dtype=str(t.dtype).removeprefix("torch."),
+            dtype=_DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch."),
             ptr=t.data_ptr() if t.numel() else 0,
-            indices=(runs_from_list(values) if values else None) if values is not None else None,
+            indices=runs or None,
         )
+
+    def _submit_refs(self, op: CacheOperation, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[TensorRef]:
+        """The tensors of a submission; index values read once, and their pair runs kept
+        for the copy (``_runs_for``) instead of being worked out a second time."""
+        aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
+        refs = []
+        is_device = self.runtime.is_device
+        for pool, h, d in pairs:
+            if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
+                refs.append(self._ref(h, pool, "host", []))
+                refs.append(self._ref(d, pool, "device", []))
+                continue
+            if h.numel() and not is_device(h) and not is_device(d):
+                pr = pair_runs(h.tolist(), d.tolist())
+                self._pair_runs[(id(h), id(d))] = pr
+                refs.append(self._ref(h, pool, "host", runs=_side_runs(pr, 0)))
+                refs.append(self._ref(d, pool, "device", runs=_side_runs(pr, 1)))
+                continue
+            refs.append(self._ref(h, pool, "host"))
+            refs.append(self._ref(d, pool, "device"))
+        return refs
 
     def _validate(
         self,
@@ -727,7 +775,9 @@ class HiCacheController:
         if rt.is_device(host) or rt.is_device(device):
             return None
         n = host.numel()
-        runs = pair_runs(host.tolist(), device.tolist())
+        runs = self._pair_runs.pop((id(host), id(device)), None)
+        if runs is None:
+            runs = pair_runs(host.tolist(), device.tolist())
         if self.io_backend == "direct" or len(runs) * 4 <= n:
             return runs
         return None
@@ -737,12 +787,8 @@ class HiCacheController:
         pairs = self._pairs(op)
         slots = self._slots_by_pool(op)
         bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
-        aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
-        refs = []
-        for pool, h, d in pairs if self._detail else ():
-            # a pool that reuses another pool's indices does not own those slots: no values
-            refs.append(self._ref(h, pool, "host", [] if pool in aliased else None))
-            refs.append(self._ref(d, pool, "device", [] if pool in aliased else None))
+        self._pair_runs.clear()
+        refs = self._submit_refs(op, pairs) if self._detail else []
         start = rt.event(self.enable_timing)
         start.record()  # after the index moves: the side stream is ordered after them
         finish = rt.event(self.enable_timing)
@@ -782,6 +828,7 @@ class HiCacheController:
             finish = rt.event(self.enable_timing)
             finish.record()
             ack.finish = finish
+        self._pair_runs.clear()
         if direction == H2D and producer_id >= 0:
             self.layer_done_counter.set_finish_event(producer_id, ack.finish)
         self._acks[direction].append(ack)
