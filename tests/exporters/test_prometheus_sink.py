@@ -239,3 +239,23 @@ def test_allocation_failures_and_in_flight_transfers(controller):
     snap = sink.snapshot()
     assert snap[m.TRANSFERS_IN_FLIGHT][("h2d",)] == 0
     assert snap[m.OPERATIONS_TOTAL][("h2d", "completed")] == 1
+
+
+def test_one_batch_and_one_event_at_a_time_give_the_same_values(controller):
+    """``handle_batch`` counts allocations and frees inline; ``handle`` goes event by event."""
+    c = controller("tiny_hybrid")
+    exp = run_workload(c)
+    events = c.log.events()
+    assert any(getattr(e, "reason", None) == "evict" for e in events)
+    batched, single = PrometheusSink(), PrometheusSink()
+    for i in range(0, len(events), 97):  # batch boundaries anywhere
+        batched.handle_batch(events[i : i + 97])
+    for ev in events:
+        single.handle(ev)
+    snap = batched.snapshot()
+    assert snap == single.snapshot()
+    assert sum(snap[m.EVENTS_TOTAL].values()) == len(events)
+    for (pool, tier), n in exp.used.items():
+        assert snap[m.POOL_USED_SLOTS][(pool, tier)] == n
+    for (pool, tier), n in exp.evicted.items():
+        assert snap[m.EVICTED_SLOTS_TOTAL][(pool, tier)] == n
