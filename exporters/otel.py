@@ -72,7 +72,7 @@ from hicache_obs.events.schema import (
     TransferSubmitted,
 )
 
-from ._ops import OpKey, OpRecord, OpTable, fold_ops
+from ._ops import _NOT_OP_EVENTS, OpKey, OpRecord, OpTable, fold_ops
 
 __all__ = [
     "SPAN_ATTRIBUTES",
@@ -291,9 +291,20 @@ class OtelSpanSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
+            pending = self._table._pending
+            apply = self._apply
             for ev in events:
-                self._apply(ev)
+                if type(ev) in _NOT_OP_EVENTS and not pending:
+                    continue  # allocations and frees touch no span, and settle none
+                apply(ev)
+            last = {ev.rank: ev for ev in events}  # each rank's last event of the batch
+            for rank, ev in last.items():
+                self._last_ts[rank] = ev.ts_ns
         with self._cv:
+            seen = self._seen
+            for rank, ev in last.items():
+                if ev.seq > seen.get(rank, -1):
+                    seen[rank] = ev.seq
             self._cv.notify_all()
 
     def flush(self) -> None:
@@ -403,6 +414,7 @@ class OtelSpanSink:
 
     # ----------------------------------------------------------- folding
     def _apply(self, ev: Event) -> None:
+        """Fold one event into the spans (``handle_batch`` records what was seen)."""
         rec, settled = self._table.apply(ev)
         for r in settled:
             self._end(r)
@@ -415,9 +427,6 @@ class OtelSpanSink:
                 described = _span_event(ev) if span is not None else None
                 if span is not None and described is not None:
                     span.add_event(described[0], described[1], timestamp=ev.ts_ns)
-        with self._cv:
-            if ev.seq > self._seen.get(ev.rank, -1):
-                self._seen[ev.rank] = ev.seq
 
     def _start(self, rec: OpRecord) -> None:
         sub = rec.submit
