@@ -315,16 +315,33 @@ def bench_data_path(
                 c.free_device(holder[0])
                 return t
 
-            for fn in (memcpy, write, load):  # warm up: page faults, allocator caches
+            # the copy kernels alone, on the same pools and slots: what the data path would
+            # reach with no controller work around the copies (its ceiling)
+            from .core.transfer import launch_backup
+
+            hp, dp = c.host_pools["kv"], c.device_pools["kv"]
+            runs = c._runs_for(host, kv)  # runs or index path, as the controller chooses
+
+            def kernel(host: torch.Tensor = host, nbytes: int = nbytes, runs: Any = runs, c: Any = c) -> float:
+                def run() -> None:
+                    with c.runtime.use(c.write_stream):
+                        launch_backup(c.runtime, hp, dp, host, kv, runs)
+                    c.runtime.synchronize()
+
+                return nbytes / _timed(run)
+
+            for fn in (memcpy, write, load, kernel):  # warm up: page faults, allocator caches
                 fn()
-            got = interleave({"memcpy": memcpy, "write": write, "load": load}, rounds)
+            got = interleave({"memcpy": memcpy, "write": write, "load": load, "kernel": kernel}, rounds)
             w = ratio_of_rates(got["write"], got["memcpy"])
             ld = ratio_of_rates(got["load"], got["memcpy"])
+            kw = ratio_of_rates(got["kernel"], got["memcpy"])
             out[layout][f"ps{ps}"] = {
                 "write_vs_memcpy": w.median,
                 "write_vs_memcpy_spread": [w.lo, w.hi],
                 "load_vs_memcpy": ld.median,
                 "load_vs_memcpy_spread": [ld.lo, ld.hi],
+                "kernel_write_vs_memcpy": kw.median,
                 "memcpy_bytes_per_s": statistics.median(got["memcpy"]),
                 "write_bytes_per_s": statistics.median(got["write"]),
                 "load_bytes_per_s": statistics.median(got["load"]),

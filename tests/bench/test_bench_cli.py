@@ -23,3 +23,16 @@ def test_negative_threads_is_one_clear_error(capsys: pytest.CaptureFixture[str])
 def test_unknown_section_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--section", "gpu"]) == 2
     assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
+def test_data_path_section_reports_every_ratio_and_the_kernel_ceiling() -> None:
+    from hicache_obs.bench import bench_data_path
+
+    out = bench_data_path(tokens=64, rounds=1, page_sizes=(1, 16))
+    for layout in ("layer_first", "page_first"):
+        for ps in ("ps1", "ps16"):
+            row = out[layout][ps]
+            assert row["bytes"] == 64 * 8 * 2 * 8 * 128 * 2  # 64 kept slots x layers x k/v x heads x dim x fp16
+            for key in ("write_vs_memcpy", "load_vs_memcpy", "kernel_write_vs_memcpy"):
+                assert 0 < row[key] < 100, (layout, ps, key, row[key])
+            assert row["write_vs_memcpy_spread"][0] <= row["write_vs_memcpy"] <= row["write_vs_memcpy_spread"][1]
