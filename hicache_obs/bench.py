@@ -322,7 +322,15 @@ def bench_data_path(
             hp, dp = c.host_pools["kv"], c.device_pools["kv"]
             runs = c._runs_for(host, kv)  # runs or index path, as the controller chooses
 
-            def kernel(host: torch.Tensor = host, nbytes: int = nbytes, runs: Any = runs, c: Any = c) -> float:
+            def kernel(
+                host: torch.Tensor = host,
+                kv: torch.Tensor = kv,
+                nbytes: int = nbytes,
+                runs: Any = runs,
+                c: Any = c,
+                hp: Any = hp,
+                dp: Any = dp,
+            ) -> float:
                 def run() -> None:
                     with c.runtime.use(c.write_stream):
                         launch_backup(c.runtime, hp, dp, host, kv, runs)
