@@ -40,7 +40,7 @@ from .schema import (
     runs_from_list,
     runs_len,
 )
-from .state import CacheState, SlotTable, _invalid_sample
+from .state import AllocMap, CacheState
 
 __all__ = ["RULES", "Finding", "Auditor", "audit"]
 
@@ -90,63 +90,6 @@ class _InFlight:
 # byte maps that add / take one from every byte of a slice (saturating at 255 / 0)
 _INC = bytes(min(255, i + 1) for i in range(256))
 _DEC = bytes(max(0, i - 1) for i in range(256))
-
-
-class _SlotMap:
-    """What the auditor needs of a pool's slots when it does not keep the replay's
-    bookkeeping: which slots are allocated (one byte each), without the free-page
-    order that only an allocator needs."""
-
-    __slots__ = ("capacity", "_alloc")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._alloc = bytearray(capacity)
-
-    def unallocated(self, runs: Runs) -> list[int]:
-        bad: list[int] = []
-        a = self._alloc
-        cap = self.capacity
-        for start, length in runs:
-            if start < 0 or length <= 0 or start + length > cap:
-                bad.extend(_invalid_sample(start, length))
-            elif a.find(0, start, start + length) != -1:
-                bad.extend(s for s in range(start, start + length) if not a[s])
-        return bad
-
-    def apply_alloc(self, runs: Runs) -> list[int]:
-        bad: list[int] = []
-        a = self._alloc
-        cap = self.capacity
-        for start, length in runs:
-            end = start + length
-            if start < 0 or end > cap or length <= 0:
-                bad.extend(_invalid_sample(start, length))
-            elif a.find(1, start, end) == -1:
-                a[start:end] = b"\x01" * length
-            else:
-                for s in range(start, end):
-                    if a[s]:
-                        bad.append(s)
-                    a[s] = 1
-        return bad
-
-    def apply_free(self, runs: Runs) -> list[int]:
-        bad: list[int] = []
-        a = self._alloc
-        cap = self.capacity
-        for start, length in runs:
-            end = start + length
-            if start < 0 or end > cap or length <= 0:
-                bad.extend(_invalid_sample(start, length))
-            elif a.find(0, start, end) == -1:
-                a[start:end] = bytes(length)
-            else:
-                for s in range(start, end):
-                    if not a[s]:
-                        bad.append(s)
-                    a[s] = 0
-        return bad
 
 
 class _RankAudit:
@@ -353,7 +296,7 @@ class Auditor:
 
     # -------------------------------------------------------------- handlers
     def _pool_created(self, ev: PoolCreated, r: _RankAudit) -> None:
-        r.tables[(ev.pool, ev.tier)] = _SlotMap(ev.capacity)
+        r.tables[(ev.pool, ev.tier)] = AllocMap(ev.capacity)
 
     def _allocated(self, ev: SlotsAllocated, r: _RankAudit) -> None:
         t = r.tables.get((ev.pool, ev.tier))
@@ -396,7 +339,7 @@ class Auditor:
                     seq=ev.seq,
                 )
 
-    def _report_free(self, ev: SlotsFreed, bad: list[int], t: SlotTable | _SlotMap) -> None:
+    def _report_free(self, ev: SlotsFreed, bad: list[int], t: AllocMap) -> None:
         if bad:
             out = [b for b in bad if not 0 <= b < t.capacity]
             rule_detail = (

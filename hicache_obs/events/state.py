@@ -37,7 +37,7 @@ from .schema import (
     runs_from_list,
 )
 
-__all__ = ["SlotTable", "OpState", "CacheState", "fold"]
+__all__ = ["AllocMap", "SlotTable", "OpState", "CacheState", "fold"]
 
 
 def _invalid_sample(start: int, length: int) -> list[int]:
@@ -123,18 +123,66 @@ class _FreeList:
         return out
 
 
-class SlotTable:
+class AllocMap:
+    """Which slots of a pool are allocated, one byte each: what the auditor needs when
+    it keeps no replay bookkeeping (no free-page order, no counts)."""
+
+    __slots__ = ("capacity", "_alloc")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._alloc = bytearray(capacity)
+
+    def unallocated(self, runs: Runs) -> list[int]:
+        """Slots among ``runs`` that are out of range or not allocated."""
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        for start, length in runs:
+            if start < 0 or length <= 0 or start + length > cap:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(0, start, start + length) != -1:
+                bad.extend(s for s in range(start, start + length) if not a[s])
+        return bad
+
+    def apply_alloc(self, runs: Runs) -> list[int]:
+        """Mark slots allocated; returns those that already were (or are out of range)."""
+        return self._set(runs, 1)
+
+    def apply_free(self, runs: Runs) -> list[int]:
+        """Mark slots free; returns those that were not allocated (or are out of range)."""
+        return self._set(runs, 0)
+
+    def _set(self, runs: Runs, to: int) -> list[int]:
+        bad: list[int] = []
+        a = self._alloc
+        cap = self.capacity
+        fill = b"\x01" if to else b"\x00"
+        for start, length in runs:
+            end = start + length
+            if start < 0 or end > cap or length <= 0:
+                bad.extend(_invalid_sample(start, length))
+            elif a.find(to, start, end) == -1:  # the normal case: no slot is already `to`
+                a[start:end] = fill * length
+            else:
+                for s in range(start, end):
+                    if a[s] == to:
+                        bad.append(s)
+                    a[s] = to
+        return bad
+
+
+class SlotTable(AllocMap):
     """Allocation state of one pool on one tier, page-granular FIFO free list."""
 
-    __slots__ = ("pool", "tier", "capacity", "page_size", "used", "_alloc", "_free_pages", "_page_used")
+    __slots__ = ("pool", "tier", "page_size", "used", "_free_pages", "_page_used")
 
     def __init__(self, pool: str, tier: str, capacity: int, page_size: int) -> None:
+        super().__init__(capacity)
         self.pool = pool
         self.tier = tier
-        self.capacity = capacity
         self.page_size = page_size
         self.used = 0
-        self._alloc = bytearray(capacity)
         npages = capacity // page_size
         self._free_pages = _FreeList(npages)
         self._page_used = bytearray(npages) if page_size > 1 else None
@@ -151,18 +199,6 @@ class SlotTable:
 
     def is_allocated(self, slot: int) -> bool:
         return 0 <= slot < self.capacity and self._alloc[slot] == 1
-
-    def unallocated(self, runs: Runs) -> list[int]:
-        """Slots among ``runs`` that are out of range or not allocated."""
-        bad: list[int] = []
-        a = self._alloc
-        cap = self.capacity
-        for start, length in runs:
-            if start < 0 or length <= 0 or start + length > cap:
-                bad.extend(_invalid_sample(start, length))
-            elif a.find(0, start, start + length) != -1:
-                bad.extend(s for s in range(start, start + length) if not a[s])
-        return bad
 
     def apply_alloc(self, runs: Runs) -> list[int]:
         """Mark slots allocated; returns slots that were already allocated (anomalies)."""
