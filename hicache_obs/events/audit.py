@@ -179,39 +179,8 @@ class Auditor:
         return self
 
     def feed(self, events: Iterable[Event]) -> Auditor:
-        if not self._fold:
-            for ev in events:
-                self.handle(ev)
-            return self
-        # replay: allocations and frees are most of a log; fold them here, with one
-        # table update each (the same result as `handle`, without its layers of calls)
-        handle = self.handle
-        ranks = self._ranks
         for ev in events:
-            cls = type(ev)
-            if cls is SlotsAllocated or cls is SlotsFreed:
-                r = ranks.get(ev.rank)
-                t = r.tables.get((ev.pool, ev.tier)) if r is not None else None  # type: ignore[attr-defined]
-                if t is not None:
-                    state = r.state  # type: ignore[union-attr]
-                    if cls is SlotsAllocated:
-                        bad = t.apply_alloc(ev.indices)  # type: ignore[attr-defined]
-                        if bad:
-                            state.anomalies.append(  # type: ignore[union-attr]
-                                (ev.seq, "double_alloc", f"{ev.pool}/{ev.tier} slots {bad[:8]}")  # type: ignore[attr-defined]
-                            )
-                    else:
-                        if r.inflight:  # type: ignore[union-attr]
-                            self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
-                        bad = t.apply_free(ev.indices)  # type: ignore[attr-defined]
-                        if bad:
-                            self._report_free(ev, bad, t)  # type: ignore[arg-type]
-                            state.anomalies.append(  # type: ignore[union-attr]
-                                (ev.seq, "double_free", f"{ev.pool}/{ev.tier} slots {bad[:8]}")  # type: ignore[attr-defined]
-                            )
-                    state.last_seq = ev.seq  # type: ignore[union-attr]
-                    continue
-            handle(ev)
+            self.handle(ev)
         return self
 
     def handle(self, ev: Event) -> None:

@@ -110,7 +110,6 @@ class SinkRunner:
         self.dropped = 0
         self.errors = 0
         self._wake = threading.Event()
-        self._idle = threading.Event()
         self._stop = False
         self._closed = False
         self._stopped_at: int | None = None
@@ -149,11 +148,9 @@ class SinkRunner:
             if nxt >= pub:
                 if self._stop:
                     return
-                self._idle.set()
                 self._wake.wait(self.interval)
                 self._wake.clear()
                 continue
-            self._idle.clear()
             lag = pub - nxt
             if lag > self.max_queue:
                 lost = lag - self.max_queue
