@@ -80,7 +80,6 @@ from hicache_obs.events.schema import (
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
-    runs_len,
 )
 
 from . import metric_names as m
@@ -248,8 +247,7 @@ class PrometheusSink:
 
     # ----------------------------------------------------------- sink API
     def handle(self, event: Event) -> None:
-        with self._lock:
-            self._apply(event)
+        self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
@@ -288,25 +286,11 @@ class PrometheusSink:
         """Nothing to release: the registry keeps serving the last values."""
         self._closed = True
 
-    def _apply(self, ev: Event) -> None:
-        self._inc(m.EVENTS_TOTAL, (type(ev).__name__,))
-        self._apply_other(ev)
-
     def _apply_other(self, ev: Event) -> None:
-        """Fold one event, except for ``hicache_events_total`` (counted by the caller)."""
+        """Fold one event other than an allocation or a free, except for
+        ``hicache_events_total`` (``handle_batch`` does those)."""
         key = (ev.rank, getattr(ev, "op", -1))
-        if isinstance(ev, (SlotsAllocated, SlotsFreed)):
-            n = runs_len(ev.indices)
-            self._add_pool(ev.pool)
-            k3 = (ev.rank, ev.pool, ev.tier)
-            if isinstance(ev, SlotsAllocated):
-                self._used[k3] = self._used.get(k3, 0) + n
-            else:
-                self._used[k3] = self._used.get(k3, 0) - n
-                if ev.reason == "evict":
-                    self._inc(m.EVICTIONS_TOTAL, (ev.pool, ev.tier))
-                    self._inc(m.EVICTED_SLOTS_TOTAL, (ev.pool, ev.tier), n)
-        elif isinstance(ev, IndicesMoved):
+        if isinstance(ev, IndicesMoved):
             self._add_pool(ev.pool)
             self._inc(m.INDEX_MOVES_TOTAL, (ev.pool, ev.role))
         elif isinstance(ev, StreamRecorded):

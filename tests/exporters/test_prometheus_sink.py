@@ -242,7 +242,7 @@ def test_allocation_failures_and_in_flight_transfers(controller):
 
 
 def test_one_batch_and_one_event_at_a_time_give_the_same_values(controller):
-    """``handle_batch`` counts allocations and frees inline; ``handle`` goes event by event."""
+    """Batch boundaries anywhere (or none: ``handle``) give the same values, and the right ones."""
     c = controller("tiny_hybrid")
     exp = run_workload(c)
     events = c.log.events()
