@@ -414,11 +414,10 @@ class OtelSpanSink:
 
     # ----------------------------------------------------------- folding
     def _apply(self, ev: Event) -> None:
-        """Fold one event into the spans (``handle_batch`` records what was seen)."""
+        """Fold one event into the spans (``handle_batch`` records what was seen, and when)."""
         rec, settled = self._table.apply(ev)
         for r in settled:
             self._end(r)
-        self._last_ts[ev.rank] = ev.ts_ns
         if rec is not None:
             if isinstance(ev, TransferSubmitted):
                 self._start(rec)
