@@ -320,7 +320,7 @@ def bench_data_path(
             from .core.transfer import launch_backup
 
             hp, dp = c.host_pools["kv"], c.device_pools["kv"]
-            runs = c._runs_for(host, kv)  # runs or index path, as the controller chooses
+            runs = c._runs_for(host, c._with_runs([("kv", host, kv)])[0][3])  # as the controller chooses
 
             def kernel(
                 host: torch.Tensor = host,

@@ -105,6 +105,9 @@ class _PendingAck:
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
 
+#: (pool, host indices, device indices, their ``pair_runs`` when the values are on the CPU)
+_Pair = tuple[str, torch.Tensor, torch.Tensor, Any]
+
 
 def _side_runs(pair: Any, side: int) -> tuple[tuple[int, int], ...]:
     """The run-length encoding of one side (0 host, 1 device) of ``pair_runs`` output."""
@@ -195,9 +198,6 @@ class HiCacheController:
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
         self._detail = event_detail == "full"
-        # pair runs worked out for a submission's events, reused by its copies (by tensor id,
-        # only while that submission runs: the tensors are alive)
-        self._pair_runs: dict[tuple[int, int], Any] = {}
         self._lock = threading.RLock()
         self._closed = False
         self._next_id = 0
@@ -308,25 +308,20 @@ class HiCacheController:
             indices=runs or None,
         )
 
-    def _submit_refs(self, op: CacheOperation, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[TensorRef]:
-        """The tensors of a submission; index values read once, and their pair runs kept
-        for the copy (``_runs_for``) instead of being worked out a second time."""
+    def _submit_refs(self, op: CacheOperation, pairs: list[_Pair]) -> list[TensorRef]:
+        """The tensors of a submission; run lists taken from the pairs' runs when known."""
         aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
         refs = []
-        is_device = self.runtime.is_device
-        for pool, h, d in pairs:
+        for pool, h, d, pr in pairs:
             if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
                 refs.append(self._ref(h, pool, "host", []))
                 refs.append(self._ref(d, pool, "device", []))
-                continue
-            if h.numel() and not is_device(h) and not is_device(d):
-                pr = pair_runs(h.tolist(), d.tolist())
-                self._pair_runs[(id(h), id(d))] = pr
+            elif pr is not None:
                 refs.append(self._ref(h, pool, "host", runs=_side_runs(pr, 0)))
                 refs.append(self._ref(d, pool, "device", runs=_side_runs(pr, 1)))
-                continue
-            refs.append(self._ref(h, pool, "host"))
-            refs.append(self._ref(d, pool, "device"))
+            else:
+                refs.append(self._ref(h, pool, "host"))
+                refs.append(self._ref(d, pool, "device"))
         return refs
 
     def _validate(
@@ -770,24 +765,26 @@ class HiCacheController:
             pairs.append((t.pool, t.host_indices, t.device_indices))
         return pairs
 
-    def _runs_for(self, host: torch.Tensor, device: torch.Tensor) -> Any:
-        rt = self.runtime
-        if rt.is_device(host) or rt.is_device(device):
-            return None
-        n = host.numel()
-        runs = self._pair_runs.pop((id(host), id(device)), None)
-        if runs is None:
-            runs = pair_runs(host.tolist(), device.tolist())
-        if self.io_backend == "direct" or len(runs) * 4 <= n:
+    def _with_runs(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[_Pair]:
+        """Each pair with its ``pair_runs`` when both index tensors' values are on the CPU
+        (read once: the events and the copies share them), else ``None``."""
+        is_device = self.runtime.is_device
+        return [
+            (pool, h, d, None if is_device(h) or is_device(d) else pair_runs(h.tolist(), d.tolist()))
+            for pool, h, d in pairs
+        ]
+
+    def _runs_for(self, host: torch.Tensor, runs: Any) -> Any:
+        """The runs a copy takes, or ``None`` for the index kernels (too fragmented)."""
+        if runs is not None and (self.io_backend == "direct" or len(runs) * 4 <= host.numel()):
             return runs
         return None
 
     def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> _PendingAck:
         rt = self.runtime
-        pairs = self._pairs(op)
+        pairs = self._with_runs(self._pairs(op))
         slots = self._slots_by_pool(op)
         bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
-        self._pair_runs.clear()
         refs = self._submit_refs(op, pairs) if self._detail else []
         start = rt.event(self.enable_timing)
         start.record()  # after the index moves: the side stream is ordered after them
@@ -828,30 +825,29 @@ class HiCacheController:
             finish = rt.event(self.enable_timing)
             finish.record()
             ack.finish = finish
-        self._pair_runs.clear()
         if direction == H2D and producer_id >= 0:
             self.layer_done_counter.set_finish_event(producer_id, ack.finish)
         self._acks[direction].append(ack)
         return ack
 
-    def _launch_write(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    def _launch_write(self, pairs: list[_Pair]) -> None:
         rt = self.runtime
-        pairs = [(pool, h, d) for pool, h, d in pairs if h.numel()]
+        pairs = [p for p in pairs if p[1].numel()]
         if self.io_backend == "kernel":
             # check every pool before launching any copy: a copy queued before a later
             # pool's check failed would run with index tensors nobody recorded
-            for pool, h, d in pairs:
+            for pool, h, d, _ in pairs:
                 check_kernel_indices(rt, pool, h, d)
-        for pool, h, d in pairs:
-            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d))
+        for pool, h, d, pr in pairs:
+            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr))
 
-    def _launch_load(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], producer_id: int) -> list[DeviceEvent]:
+    def _launch_load(self, pairs: list[_Pair], producer_id: int) -> list[DeviceEvent]:
         rt = self.runtime
         plan = []
-        for pool, h, d in pairs:
+        for pool, h, d, pr in pairs:
             if self.io_backend == "kernel":
                 check_kernel_indices(rt, pool, h, d)
-            plan.append((self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, d)))
+            plan.append((self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr)))
         events = []
         if not rt.has_device:
             # nothing can overlap a synchronous copy: move every layer in one pass, then
