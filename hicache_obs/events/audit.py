@@ -20,8 +20,10 @@ The per-event cost is one dict lookup for events no rule looks at.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from .schema import (
@@ -85,15 +87,28 @@ class _InFlight:
     needs_record: dict[tuple[str, str], str]
     # (pool, tier) -> slots the transfer reads or writes, where their values are known
     slots: dict[tuple[str, str], Runs] = field(default_factory=dict)
+    # the same slots as sorted run starts and the running maximum of their ends
+    spans: dict[tuple[str, str], tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
-# byte maps that add / take one from every byte of a slice (saturating at 255 / 0)
-_INC = bytes(min(255, i + 1) for i in range(256))
-_DEC = bytes(max(0, i - 1) for i in range(256))
+def _spans(runs: Runs) -> tuple[list[int], list[int]]:
+    ordered = sorted(r for r in runs if r[1] > 0)
+    return [s for s, _ in ordered], list(accumulate((s + n for s, n in ordered), max))
+
+
+def _overlaps(spans: tuple[list[int], list[int]], runs: Runs) -> bool:
+    """Whether any slot of ``runs`` lies in the runs that ``spans`` describes."""
+    starts, ends = spans
+    for start, length in runs:
+        if length > 0:
+            i = bisect_right(starts, start + length - 1) - 1
+            if i >= 0 and ends[i] > start:
+                return True
+    return False
 
 
 class _RankAudit:
-    __slots__ = ("busy", "inexact", "inflight", "moved", "state", "tables")
+    __slots__ = ("inflight", "moved", "state", "tables")
 
     def __init__(self, fold_state: bool) -> None:
         # with a full CacheState the auditor's fold is also the replay's bookkeeping
@@ -102,47 +117,6 @@ class _RankAudit:
         self.inflight: dict[int, _InFlight] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
-        # (pool, tier) -> per slot, how many in-flight transfers use it: a filter in front
-        # of the exact use-after-free check (which compares the free with every in-flight
-        # op), so that a free no in-flight op touches costs one count per run. It may say
-        # "maybe" wrongly, never "no": keys in `inexact` (no table when an op was
-        # submitted, or a count reached 255) always take the exact check
-        self.busy: dict[tuple[str, str], bytearray] = {}
-        self.inexact: set[tuple[str, str]] = set()
-
-    def mark(self, used: dict[tuple[str, str], Runs], table: bytes) -> None:
-        """Add (``_INC``) or take (``_DEC``) one use for every slot an in-flight op uses."""
-        for key, runs in used.items():
-            busy = self.busy.get(key)
-            if busy is None:
-                t = self.tables.get(key)
-                if t is None:
-                    self.inexact.add(key)
-                    continue
-                busy = self.busy[key] = bytearray(t.capacity)
-            cap = len(busy)
-            for start, length in runs:
-                s, e = max(0, start), min(cap, start + length)
-                if e <= s:
-                    continue
-                chunk = busy[s:e]
-                if table is _INC and chunk.find(255) != -1:
-                    self.inexact.add(key)
-                busy[s:e] = chunk.translate(table)
-
-    def busy_overlaps(self, key: tuple[str, str], runs: Runs) -> bool:
-        """Whether any slot of ``runs`` may be in use by an in-flight transfer."""
-        if key in self.inexact:
-            return True
-        busy = self.busy.get(key)
-        if busy is None:
-            return False
-        cap = len(busy)
-        for start, length in runs:
-            s, e = max(0, start), min(cap, start + length)
-            if e > s and busy.count(0, s, e) != e - s:
-                return True
-        return False
 
 
 class Auditor:
@@ -156,8 +130,6 @@ class Auditor:
         self._finished = False
         self._handlers: dict[type, Callable[[Any, _RankAudit], None]] = {
             PoolCreated: self._pool_created,
-            SlotsAllocated: self._allocated,
-            SlotsFreed: self._freed,
             IndicesMoved: self._moved,
             TransferSubmitted: self._submitted,
             StreamRecorded: self._recorded,
@@ -184,7 +156,21 @@ class Auditor:
         return self
 
     def handle(self, ev: Event) -> None:
-        h = self._handlers.get(type(ev))
+        cls = type(ev)
+        if (cls is SlotsAllocated or cls is SlotsFreed) and not self._fold:
+            # most of a live log: one allocation-map update each, without a handler call
+            r = self._ranks.get(ev.rank)
+            t = r.tables.get((ev.pool, ev.tier)) if r is not None else None  # type: ignore[attr-defined]
+            if t is None:
+                return
+            if cls is SlotsAllocated:
+                t.apply_alloc(ev.indices)  # type: ignore[attr-defined]
+                return
+            if r.inflight:  # type: ignore[union-attr]
+                self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
+            self._report_free(ev, t.apply_free(ev.indices), t)  # type: ignore[arg-type, attr-defined]
+            return
+        h = self._handlers.get(cls)
         r = self._ranks.get(ev.rank)
         if self._fold:
             if r is None:
@@ -252,7 +238,14 @@ class Auditor:
         self.findings.append(f)
         if self._emit is not None and not self._finished:
             self._emit(
-                AuditViolation, op=op, rule=rule, pool=pool, role=role, detail=detail, stream=stream, direction=direction
+                AuditViolation,
+                op=op,
+                rule=rule,
+                pool=pool,
+                role=role,
+                detail=detail,
+                stream=stream,
+                direction=direction,
             )
 
     def counts(self) -> dict[str, dict[str, int]]:
@@ -267,25 +260,13 @@ class Auditor:
     def _pool_created(self, ev: PoolCreated, r: _RankAudit) -> None:
         r.tables[(ev.pool, ev.tier)] = AllocMap(ev.capacity)
 
-    def _allocated(self, ev: SlotsAllocated, r: _RankAudit) -> None:
-        t = r.tables.get((ev.pool, ev.tier))
-        if t is not None:
-            t.apply_alloc(ev.indices)
-
-    def _freed(self, ev: SlotsFreed, r: _RankAudit) -> None:
-        t = r.tables.get((ev.pool, ev.tier))
-        if t is None:
-            return
-        self._check_in_flight_free(ev, r)
-        self._report_free(ev, t.apply_free(ev.indices), t)
-
     def _check_in_flight_free(self, ev: SlotsFreed, r: _RankAudit) -> None:
         """Slots freed while a submitted transfer still uses them: a use after free."""
         if not r.inflight:
             return
         key = (ev.pool, ev.tier)
-        if not r.busy_overlaps(key, ev.indices):
-            return
+        if not any(_overlaps(f.spans[key], ev.indices) for f in r.inflight.values() if key in f.spans):
+            return  # the usual case, told by bisection; the exact check below names the slots
         freed: set[int] | None = None
         for op, f in r.inflight.items():
             runs = f.slots.get(key)
@@ -385,11 +366,9 @@ class Auditor:
                     direction=ev.direction,
                     seq=ev.seq,
                 )
-        prev = r.inflight.pop(ev.op, None)
-        if prev is not None:  # the same op id submitted twice: its first uses end here
-            r.mark(prev.slots, _DEC)
-        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs, used)
-        r.mark(used, _INC)
+        r.inflight[ev.op] = _InFlight(
+            ev.direction, ev.stream, ev.seq, needs, used, {k: _spans(v) for k, v in used.items()}
+        )
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
         f = r.inflight.get(ev.op)
@@ -400,7 +379,6 @@ class Auditor:
         f = r.inflight.pop(ev.op, None)
         if f is None:
             return
-        r.mark(f.slots, _DEC)
         for (pool, role), device in f.needs_record.items():
             self._report(
                 "unrecorded_index",
@@ -418,9 +396,7 @@ class Auditor:
 
     def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
         # the rule that explains the failure was reported at submission
-        f = r.inflight.pop(ev.op, None)
-        if f is not None:
-            r.mark(f.slots, _DEC)
+        r.inflight.pop(ev.op, None)
 
 
 _TABLE_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed})
