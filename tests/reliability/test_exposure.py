@@ -296,3 +296,25 @@ def test_no_shell_eval_or_pickle_in_the_source() -> None:
                         continue
                     hits.append(f"{f.relative_to(ROOT)}:{n}: {what}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+#: Ways to start a process (the subprocess module is forbidden outright above).
+SPAWNING = re.compile(r"\bos\.(posix_spawnp?|fork|forkpty|exec\w*|spawn\w*)\s*\(|\bmultiprocessing\b")
+
+
+def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
+    """One call site, running this Python on a fixed module with an argv list (no shell)."""
+    files = sorted(p for d in SOURCE_DIRS for p in d.rglob("*.py"))
+    hits = [
+        (f.relative_to(ROOT).as_posix(), line.strip())
+        for f in files
+        for line in f.read_text(encoding="utf-8").splitlines()
+        if SPAWNING.search(line)
+    ]
+    assert hits == [("exporters/sinkhost.py", "self.pid = os.posix_spawn(")]
+    text = (ROOT / "exporters" / "sinkhost.py").read_text(encoding="utf-8")
+    assert (
+        'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", json.dumps(self.specs)]'
+        in text
+    )
+    assert "os.posix_spawn(\n                sys.executable,\n                argv," in text

@@ -1,0 +1,129 @@
+"""SinkHost: the sinks run in a child process, fed the log's batches; nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from exporters_kit import parse_exposition, run_workload, scrape_text, value
+
+from hicache_obs.errors import ConfigError
+from hicache_obs.events.replay import replay
+from hicache_obs.exporters import metric_names as m
+from hicache_obs.exporters.sinkhost import SinkHost, add_sink_host
+
+
+def test_a_hosted_prometheus_serves_what_the_workload_did(controller: Any) -> None:
+    c = controller("tiny_hybrid")
+    runner = add_sink_host(c.log, [{"sink": "prometheus"}])
+    host = runner.sink
+    assert host.pid != os.getpid() and host.returncode is None
+    exp = run_workload(c)
+    assert exp.intact
+    c.log.flush()
+    s = parse_exposition(scrape_text(f"http://127.0.0.1:{host.metrics_port}/metrics"))
+    for d in ("d2h", "h2d"):
+        assert value(s, m.OPERATIONS_TOTAL, direction=d, status="completed") == exp.ops[d] > 0
+    for (pool, tier), n in exp.used.items():
+        assert value(s, m.POOL_USED_SLOTS, pool=pool, tier=tier) == n
+    assert host.stats["events"] == len(c.log)
+    c.log.close()
+    assert host.wait(10) == 0
+    assert runner.stats()["dropped"] == 0 and runner.stats()["errors"] == 0
+    with pytest.raises(OSError):  # the child took its server with it
+        scrape_text(f"http://127.0.0.1:{host.metrics_port}/metrics")
+
+
+def test_hosted_lines_carry_the_hosted_spans_ids(controller: Any, tmp_path: Path) -> None:
+    c = controller("tiny_hybrid")
+    lines_file = tmp_path / "logs" / "lines.jsonl"
+    runner = add_sink_host(
+        c.log,
+        [{"sink": "structlog", "file": str(lines_file)}, {"sink": "otel", "exporter": "memory"}],
+    )
+    exp = run_workload(c)
+    c.log.close()
+    ops = exp.ops["d2h"] + exp.ops["h2d"]
+    stats = runner.sink.stats
+    assert stats["spans_ended"] == stats["spans_exported"] == ops and stats["spans_dropped"] == 0
+    lines = [json.loads(x) for x in lines_file.read_text().splitlines()]
+    done = [x for x in lines if x["event"] == "hicache.transfer_completed"]
+    assert len(done) == stats["lines_written"] - (len(lines) - len(done)) == ops
+    assert all(len(x["trace_id"]) == 32 and len(x["span_id"]) == 16 for x in done)
+    assert len({x["span_id"] for x in done}) == ops
+    assert lines_file.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_hosted_store_replays_to_the_live_state(controller: Any, tmp_path: Path) -> None:
+    c = controller("tiny_hybrid")
+    runner = add_sink_host(c.log, [{"sink": "jsonl", "dir": str(tmp_path / "log")}])
+    assert runner.policy == "block"  # a durable store is never dropped from
+    run_workload(c)
+    c.log.close()
+    res = replay(tmp_path / "log")
+    assert len(res.events) == len(c.log) == runner.sink.stats["events"]
+    assert res.state.snapshot() == c.state.snapshot()
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ([], "non-empty list of sink specs"),
+        ([{"kind": "prometheus"}], "must be a dict with a 'sink' name"),
+        ([{"sink": "statsd"}], "unknown sink 'statsd'; known: prometheus, structlog, otel, jsonl"),
+        ([{"sink": "prometheus", "prot": 9400}], "unknown keys ['prot']"),
+        ([{"sink": "prometheus"}, {"sink": "prometheus"}], "a host runs one 'prometheus' sink, given twice"),
+        ([{"sink": "jsonl"}], "'dir' must be a path string, got None"),
+        ([{"sink": "otel", "exporter": "zipkin"}], "exporter must be 'otlp' or 'memory', got 'zipkin'"),
+        ([{"sink": "structlog", "file": Path("x")}], "is not JSON-able"),
+    ],
+)
+def test_bad_specs_are_config_errors_naming_what_is_wrong(specs: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        SinkHost(specs)
+    assert message in str(info.value)
+
+
+def test_a_child_that_cannot_build_its_sinks_fails_the_constructor() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError) as info:
+            SinkHost([{"sink": "prometheus", "port": port}])
+    assert "sink host could not start its sinks" in str(info.value) and "Address already in use" in str(info.value)
+
+
+def test_a_killed_host_costs_counted_drops_never_the_controller(controller: Any) -> None:
+    c = controller("tiny_hybrid")
+    runner = add_sink_host(c.log, [{"sink": "prometheus"}])
+    run_workload(c, rounds=1)
+    c.log.flush()
+    handled = runner.stats()["handled"]
+    os.kill(runner.sink.pid, signal.SIGKILL)
+    assert runner.sink.wait(10) == -signal.SIGKILL
+    exp = run_workload(c, rounds=2)  # the controller carries on
+    assert exp.intact
+    c.log.close()
+    st = runner.stats()
+    assert st["errors"] >= 1 and st["handled"] == handled
+    assert st["handled"] + st["dropped"] == st["offered"] == len(c.log)
+
+
+def test_hostile_names_in_specs_are_used_literally(controller: Any, tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    name = tmp_path / "$(touch PWNED) ; touch PWNED2 `touch PWNED3`.jsonl"
+    c = controller("tiny")
+    runner = add_sink_host(
+        c.log, [{"sink": "structlog", "file": str(name)}, {"sink": "jsonl", "dir": str(tmp_path / "a b;c")}]
+    )
+    run_workload(c, rounds=1)
+    c.log.close()
+    assert runner.sink.wait(10) == 0
+    assert name.exists() and name.read_text().count("\n") == runner.sink.stats["lines_written"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name.name, "a b;c"])
