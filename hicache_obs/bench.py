@@ -360,40 +360,42 @@ def bench_data_path(
 
 
 # -------------------------------------------------------------- overhead
-CONFIGS = ("bare", "events_metrics", "with_otel", "with_durable_log")
+CONFIGS = ("bare", "events_metrics", "with_otel", "with_durable_log", "events_metrics_inprocess")
 
 
 def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any, Callable[[], None]]:
-    """A demo-workload controller with the observability of ``config`` attached."""
+    """A demo-workload controller with the observability of ``config`` attached.
+
+    The three targets run their sinks in a sink host process (the controller's process
+    audits inline and encodes batches); ``events_metrics_inprocess`` runs the same sinks
+    as (a) on threads of the controller's process, for comparison.
+    """
     from .events.log import EventLog
     from .testing import make_controller
 
     log = EventLog(capacity=100_000)
-    closers: list[Callable[[], None]] = []
     if config != "bare":
-        from hicache_obs.exporters.prometheus import PrometheusSink
-        from hicache_obs.exporters.structlog_sink import StructlogSink, make_json_logger
-
         from .events.audit import Auditor
 
         Auditor().attach(log)
+    if config == "events_metrics_inprocess":
+        from hicache_obs.exporters.prometheus import PrometheusSink
+        from hicache_obs.exporters.structlog_sink import StructlogSink, make_json_logger
+
         log.add_sink(PrometheusSink(log=log))
         log.add_sink(StructlogSink(make_json_logger(io.StringIO())))
-    if config in ("with_otel", "with_durable_log"):
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    elif config != "bare":
+        from hicache_obs.exporters.sinkhost import add_sink_host
 
-        from hicache_obs.exporters.otel import OtelSpanSink
-
-        provider = TracerProvider()
-        provider.add_span_processor(BatchSpanProcessor(InMemorySpanExporter()))
-        log.add_sink(OtelSpanSink(provider))
-        closers.append(provider.shutdown)
-    if config == "with_durable_log":
-        from .events.store import open_store
-
-        open_store(log, out_dir)
+        specs: list[dict[str, Any]] = [
+            {"sink": "prometheus"},
+            {"sink": "structlog", "file": str(out_dir / "lines.jsonl"), "level": "info"},
+        ]
+        if config in ("with_otel", "with_durable_log"):
+            specs.append({"sink": "otel", "exporter": "memory"})
+        if config == "with_durable_log":
+            specs.append({"sink": "jsonl", "dir": str(out_dir / "log")})
+        add_sink_host(log, specs)
     from .core.spec import ModelSpec
     from .workload import controller_options
 
@@ -404,8 +406,10 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
     def close() -> None:
         c.close()
         log.close()
-        for fn in closers:
-            fn()
+        for runner in log.sinks:  # a ratio measured while sinks lost events would flatter them
+            st = runner.stats()
+            if st["dropped"] or st["errors"]:
+                raise RuntimeError(f"bench {config}/{runtime}: sink {runner.name} lost events: {st}")
 
     return c, close
 
