@@ -198,6 +198,7 @@ class HiCacheController:
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
         self._detail = event_detail == "full"
+        self._native_copies = getattr(self.runtime, "native_copies", None) is not None
         self._lock = threading.RLock()
         self._closed = False
         self._next_id = 0
@@ -775,8 +776,11 @@ class HiCacheController:
         ]
 
     def _runs_for(self, host: torch.Tensor, runs: Any) -> Any:
-        """The runs a copy takes, or ``None`` for the index kernels (too fragmented)."""
-        if runs is not None and (self.io_backend == "direct" or len(runs) * 4 <= host.numel()):
+        """The runs a copy takes, or ``None`` for the index kernels (too fragmented for
+        torch's copies; the native loop takes runs of any length)."""
+        if runs is None:
+            return None
+        if self.io_backend == "direct" or self._native_copies or len(runs) * 4 <= host.numel():
             return runs
         return None
 

@@ -20,6 +20,7 @@ Three implementations: ``cpu`` (synchronous, nothing is a device tensor),
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -117,8 +118,27 @@ class _CpuEvent:
         return max(0, t1 - self.t_ns)
 
 
+def native_copy_loop() -> Any:
+    """The compiled copy loop (``hicache_obs._copy``) the cpu runtime runs its copies with.
+
+    Raises :class:`~hicache_obs.errors.RuntimeUnavailableError` when the extension was
+    not built (a source tree used without ``pip install``): never a silent fallback.
+    """
+    try:
+        return importlib.import_module("hicache_obs._copy")
+    except ImportError as exc:
+        raise RuntimeUnavailableError(
+            f"the cpu runtime's copy loop hicache_obs._copy is not built ({exc}); install the package "
+            "(`make test`, or `pip install -e .` with a C compiler), or use runtime 'sim'"
+        ) from None
+
+
 class CpuRuntime:
-    """Synchronous runtime: streams are names, events are always complete."""
+    """Synchronous runtime: streams are names, events are always complete.
+
+    Copies of whole runs go through the compiled loop of :func:`native_copy_loop`
+    (``native_copies``); the other runtimes have none and copy with torch.
+    """
 
     name = "cpu"
     device = "cpu"
@@ -127,6 +147,7 @@ class CpuRuntime:
     def __init__(self) -> None:
         self._main = _CpuStream("main")
         self._tls = threading.local()  # the current stream is per thread
+        self.native_copies = native_copy_loop()
 
     def stream(self, name: str) -> _CpuStream:
         return _CpuStream(name)

@@ -8,6 +8,9 @@ page of the ``page_first`` layout moves as one contiguous block.
 
 from __future__ import annotations
 
+import math
+from array import array
+from itertools import chain
 from typing import Any
 
 import torch
@@ -139,6 +142,46 @@ _KERNELS: dict[tuple[str, bool], tuple[Any, Any]] = {
 }
 
 
+# ------------------------------------------------------------ native loop
+def _geometry(plane: torch.Tensor, page_first: bool) -> tuple[int, int, int, int, int]:
+    """(layers, slots, bytes of one slot of one layer, slot stride, layer stride) of a plane."""
+    if not plane.is_contiguous():
+        raise ValueError(f"the native copy loop needs contiguous planes, got strides {plane.stride()}")
+    es = plane.element_size()
+    slot_dim, layer_dim = (0, 1) if page_first else (1, 0)
+    chunk = es * math.prod(plane.shape[2:])
+    return (
+        plane.shape[layer_dim],
+        plane.shape[slot_dim],
+        chunk,
+        plane.stride(slot_dim) * es,
+        plane.stride(layer_dim) * es,
+    )
+
+
+def _native_launch(
+    kind: str, runtime: Runtime, host_pool: HostPool, device_pool: DevicePool, runs: Runs3, *layer: int
+) -> None:
+    """Every plane of a pool through the native loop: host <- device for ``d2h``, else device <- host."""
+    copy_runs = runtime.native_copies.copy_runs  # type: ignore[attr-defined]
+    packed = array("q", chain.from_iterable(runs))  # (host, device, length) triples
+    to_host = kind == "d2h"
+    pf = host_pool.layout == "page_first"
+    for name, hplane in host_pool.planes.items():
+        dplane = device_pool.planes[name]
+        hl, hs, hc, hss, hls = _geometry(hplane, pf)
+        dl, ds, dc, dss, dls = _geometry(dplane, False)
+        if (hl, hc) != (dl, dc):
+            raise ValueError(f"plane {name!r}: host has {hl} layers of {hc} B, device {dl} of {dc} B")
+        hptr, dptr, layers = hplane.data_ptr(), dplane.data_ptr(), hl
+        if layer:  # one (pool-local) layer
+            hptr, dptr, layers = hptr + layer[0] * hls, dptr + layer[0] * dls, 1
+        if to_host:
+            runtime.launch(copy_runs, hptr, dptr, packed, False, layers, hc, hs, hss, hls, ds, dss, dls)
+        else:
+            runtime.launch(copy_runs, dptr, hptr, packed, True, layers, hc, ds, dss, dls, hs, hss, hls)
+
+
 def _launch(
     kind: str,
     runtime: Runtime,
@@ -149,6 +192,9 @@ def _launch(
     runs: Runs3 | None,
     *layer: int,
 ) -> None:
+    if runs is not None and getattr(runtime, "native_copies", None) is not None:
+        _native_launch(kind, runtime, host_pool, device_pool, runs, *layer)
+        return
     lf, pf = _KERNELS[(kind, runs is not None)]
     fn = lf if host_pool.layout == "layer_first" else pf
     for name, hplane in host_pool.planes.items():
