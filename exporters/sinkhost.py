@@ -25,6 +25,13 @@ The sinks are described, not passed, as JSON-able dicts (the child builds them):
   The parent's runner for a host with a store should block rather than drop
   (:func:`add_sink_host` does that).
 
+- ``{"sink": "audit"}``: the stream-safety auditor runs in the host instead of inline
+  in the controller's process. Its ``AuditViolation`` events reach the host's other sinks
+  right after the event that revealed them (metrics, span attributes and status, log
+  lines: the same as with an inline auditor), and the end-of-log findings at close. They
+  do not enter the parent's log, nor a ``jsonl`` store in the host (they have no ``seq``
+  of their own); ``hicache-obs audit`` finds them again in the stored log.
+
 Bad specs raise :class:`~hicache_obs.errors.ConfigError` in the parent before any process
 starts; a child that cannot build its sinks makes the constructor raise with the child's
 message. After ``close()`` the child has flushed and closed every sink and exited.
@@ -52,6 +59,7 @@ __all__ = ["SinkHost", "SinkHostError", "add_sink_host", "SINK_KINDS"]
 
 #: The sinks a host can run, with the keys each one takes.
 SINK_KINDS: dict[str, frozenset[str]] = {
+    "audit": frozenset(),
     "prometheus": frozenset({"port", "addr", "pools"}),
     "structlog": frozenset({"file", "level"}),
     "otel": frozenset({"endpoint", "exporter", "service_name"}),
@@ -320,8 +328,58 @@ def _build(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list
     return sinks, ready, closers
 
 
-def _stats(sinks: list[Any], events: int, batches: int, errors: dict[str, int]) -> dict[str, Any]:
+class _HostAudit:
+    """The auditor in the host: its violations are inserted after the events that revealed them."""
+
+    def __init__(self) -> None:
+        from hicache_obs.events.audit import Auditor
+
+        self.auditor = Auditor(emit=self._emit)
+        self._out: list[Any] = []
+        self._cur: Any = None
+        self._finishing = False
+
+    def _emit(self, cls: Any, **fields: Any) -> None:
+        cur = self._cur  # the event that revealed it (the last one, at the end of the log)
+        ts = time.time_ns() if self._finishing else cur.ts_ns
+        self._out.append(cls(seq=cur.seq, ts_ns=ts, rank=cur.rank, **fields))
+
+    def run(self, batch: list[Any]) -> list[Any]:
+        out = self._out = []
+        handle = self.auditor.handle
+        for ev in batch:
+            out.append(ev)
+            self._cur = ev
+            handle(ev)
+        return out
+
+    def finish(self) -> list[Any]:
+        self._out = []
+        if self._cur is not None:
+            self._finishing = True
+            self.auditor.finish()
+        return self._out
+
+
+def _feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[str, int]) -> None:
+    """Stores get ``batch`` (the log's own events); the other sinks ``audited`` (with violations)."""
+    for s in sinks:
+        events = batch if getattr(s, "paths", None) is not None else audited
+        if not events:
+            continue
+        try:
+            s.handle_batch(events)
+        except Exception as exc:  # one sink failing must not stop the others
+            errors[s.name] = errors.get(s.name, 0) + 1
+            print(f"hicache sink host: sink {s.name} failed on a batch: {exc!r}", file=sys.stderr, flush=True)
+
+
+def _stats(
+    sinks: list[Any], events: int, batches: int, errors: dict[str, int], audit: _HostAudit | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"events": events, "batches": batches, "errors": dict(errors)}
+    if audit is not None:
+        out["violations"] = audit.auditor.counts()
     for s in sinks:
         if hasattr(s, "spans_ended"):
             out["spans_ended"] = s.spans_ended
@@ -372,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hicache_obs.events.schema import AnyEvent
 
+    audit = _HostAudit() if any(spec["sink"] == "audit" for spec in json.loads(args.specs)) else None
     decode = msgspec.msgpack.Decoder(list[AnyEvent]).decode  # type: ignore[valid-type]
     inp = sys.stdin.buffer
     events = batches = 0
@@ -379,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         header = _read_exact(inp, _HEADER.size)
         if len(header) < _HEADER.size:  # the parent went away: close what we have
+            if audit is not None:
+                _feed(sinks, [], audit.finish(), errors)
             _call_all(sinks, "close", errors)
             break
         kind, n = _HEADER.unpack(header)
@@ -387,16 +448,18 @@ def main(argv: list[str] | None = None) -> int:
             batch = decode(payload)
             events += len(batch)
             batches += 1
-            _call_all(sinks, "handle_batch", errors, batch)
+            _feed(sinks, batch, audit.run(batch) if audit is not None else batch, errors)
         elif kind == _FLUSH:
             _call_all(sinks, "flush", errors)
-            say({"flushed": int(payload), "stats": _stats(sinks, events, batches, errors)})
+            say({"flushed": int(payload), "stats": _stats(sinks, events, batches, errors, audit)})
         elif kind == _CLOSE:
+            if audit is not None:  # end of the log: ops submitted and never finished
+                _feed(sinks, [], audit.finish(), errors)
             _call_all(sinks, "close", errors)
             for fn in closers:
                 fn()
             sys.stdout.flush()
-            say({"closed": True, "stats": _stats(sinks, events, batches, errors)})
+            say({"closed": True, "stats": _stats(sinks, events, batches, errors, audit)})
             break
         else:
             print(f"hicache sink host: unknown frame {kind!r}; stopping", file=sys.stderr, flush=True)

@@ -13,6 +13,8 @@ import pytest
 from exporters_kit import parse_exposition, run_workload, scrape_text, value
 
 from hicache_obs.errors import ConfigError
+from hicache_obs.events import AuditViolation
+from hicache_obs.events.audit import audit
 from hicache_obs.events.replay import replay
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters.sinkhost import SinkHost, add_sink_host
@@ -75,7 +77,7 @@ def test_a_hosted_store_replays_to_the_live_state(controller: Any, tmp_path: Pat
     [
         ([], "non-empty list of sink specs"),
         ([{"kind": "prometheus"}], "must be a dict with a 'sink' name"),
-        ([{"sink": "statsd"}], "unknown sink 'statsd'; known: prometheus, structlog, otel, jsonl"),
+        ([{"sink": "statsd"}], "unknown sink 'statsd'; known: audit, prometheus, structlog, otel, jsonl"),
         ([{"sink": "prometheus", "prot": 9400}], "unknown keys ['prot']"),
         ([{"sink": "prometheus"}, {"sink": "prometheus"}], "a host runs one 'prometheus' sink, given twice"),
         ([{"sink": "jsonl"}], "'dir' must be a path string, got None"),
@@ -127,3 +129,51 @@ def test_hostile_names_in_specs_are_used_literally(controller: Any, tmp_path: Pa
     assert runner.sink.wait(10) == 0
     assert name.exists() and name.read_text().count("\n") == runner.sink.stats["lines_written"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name.name, "a b;c"])
+
+
+def test_the_auditor_in_the_host_reaches_every_hosted_sink(controller: Any, tmp_path: Path) -> None:
+    """The pre-#22940 fault: the host's auditor finds what an inline one finds, and its sinks show it."""
+    c = controller("tiny_hybrid", fault="unrecorded-pool-indices", audit=False)
+    lines_file = tmp_path / "lines.jsonl"
+    runner = add_sink_host(
+        c.log,
+        [
+            {"sink": "audit"},
+            {"sink": "prometheus"},
+            {"sink": "structlog", "file": str(lines_file)},
+            {"sink": "jsonl", "dir": str(tmp_path / "log")},
+        ],
+    )
+    run_workload(c)
+    c.write(c.alloc_device(16), node_id=99)  # never polled: incomplete at the end of the log
+    c.log.flush()
+    expected = audit(c.log.events())
+    unrecorded: dict[str, int] = {}
+    for f in expected:
+        if f.rule == "unrecorded_index":
+            unrecorded[f.pool] = unrecorded.get(f.pool, 0) + 1
+    assert unrecorded.get("mamba", 0) > 0 and "kv" not in unrecorded
+    s = parse_exposition(scrape_text(f"http://127.0.0.1:{runner.sink.metrics_port}/metrics"))
+    for pool, n in unrecorded.items():
+        assert (
+            sum(v for (name, labels), v in s.items() if name == m.UNRECORDED_INDICES_TOTAL and ("pool", pool) in labels)
+            == n
+        )
+    assert value(s, m.AUDIT_VIOLATIONS_TOTAL, rule="unrecorded_index", pool="kv") == 0
+    assert not any(isinstance(e, AuditViolation) for e in c.log.events())  # the parent's log stays as it was
+    c.log.close()
+    stats = runner.sink.stats
+    counts: dict[str, dict[str, int]] = {}
+    for f in expected:
+        counts.setdefault(f.rule, {}).setdefault(f.pool, 0)
+        counts[f.rule][f.pool] += 1
+    assert stats["violations"] == counts and "incomplete_operation" in counts
+    lines = [json.loads(x) for x in lines_file.read_text().splitlines()]
+    logged = [x for x in lines if x["event"] == "hicache.audit_violation"]
+    assert len(logged) == len(expected)
+    assert sum(x["unrecorded_indices"] for x in lines if x["event"] == "hicache.transfer_completed") == sum(
+        unrecorded.values()
+    )
+    stored = replay(tmp_path / "log", audit=True)  # the store holds the log's own events, gap-free
+    assert len(stored.events) == len(c.log)
+    assert sorted(f.key() for f in stored.findings or []) == sorted(f.key() for f in expected)
