@@ -360,21 +360,30 @@ def bench_data_path(
 
 
 # -------------------------------------------------------------- overhead
-CONFIGS = ("bare", "events_metrics", "with_otel", "with_durable_log", "events_metrics_inprocess")
+CONFIGS = (
+    "bare",
+    "events_metrics",
+    "with_otel",
+    "with_durable_log",
+    "events_metrics_inline_audit",
+    "events_metrics_inprocess",
+)
 
 
 def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any, Callable[[], None]]:
     """A demo-workload controller with the observability of ``config`` attached.
 
-    The three targets run their sinks in a sink host process (the controller's process
-    audits inline and encodes batches); ``events_metrics_inprocess`` runs the same sinks
-    as (a) on threads of the controller's process, for comparison.
+    The three targets run the auditor and the sinks in a sink host process (the
+    controller's process only encodes batches). For comparison,
+    ``events_metrics_inline_audit`` is (a) with the auditor inline in the controller's
+    process (its violations enter the log), and ``events_metrics_inprocess`` is that
+    with the sinks on threads of the controller's process as well.
     """
     from .events.log import EventLog
     from .testing import make_controller
 
     log = EventLog(capacity=100_000)
-    if config != "bare":
+    if config in ("events_metrics_inline_audit", "events_metrics_inprocess"):
         from .events.audit import Auditor
 
         Auditor().attach(log)
@@ -387,7 +396,8 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
     elif config != "bare":
         from hicache_obs.exporters.sinkhost import add_sink_host
 
-        specs: list[dict[str, Any]] = [
+        specs: list[dict[str, Any]] = [] if config == "events_metrics_inline_audit" else [{"sink": "audit"}]
+        specs += [
             {"sink": "prometheus"},
             {"sink": "structlog", "file": str(out_dir / "lines.jsonl"), "level": "info"},
         ]
