@@ -170,25 +170,26 @@ class Auditor:
                 self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
             self._report_free(ev, t.apply_free(ev.indices), t)  # type: ignore[arg-type, attr-defined]
             return
-        h = self._handlers.get(cls)
         r = self._ranks.get(ev.rank)
         if self._fold:
             if r is None:
                 r = self._ranks[ev.rank] = _RankAudit(True)
             state = r.state
             assert state is not None
-            if type(ev) in _TABLE_EVENTS:
-                if type(ev) is SlotsFreed:
+            if cls is SlotsFreed:
+                if r.inflight:
                     self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
-                    t = r.tables.get((ev.pool, ev.tier))  # type: ignore[attr-defined]
-                    if t is not None:
-                        self._report_free(ev, t.unallocated(ev.indices), t)  # type: ignore[arg-type]
-                state.apply(ev)
+                bad = state.apply_freed(ev)  # type: ignore[arg-type]
+                if bad:
+                    self._report_free(ev, bad, r.tables[(ev.pool, ev.tier)])  # type: ignore[arg-type, attr-defined]
                 return
             state.apply(ev)
-            if h is not None:
-                h(ev, r)
+            if cls is not SlotsAllocated and cls is not PoolCreated:
+                h = self._handlers.get(cls)
+                if h is not None:
+                    h(ev, r)
             return
+        h = self._handlers.get(cls)
         if h is None:
             return
         if r is None:
@@ -398,8 +399,6 @@ class Auditor:
         # the rule that explains the failure was reported at submission
         r.inflight.pop(ev.op, None)
 
-
-_TABLE_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed})
 
 
 def audit(events: Iterable[Event]) -> list[Finding]:

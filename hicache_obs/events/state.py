@@ -362,14 +362,21 @@ class CacheState:
         if bad:
             self.anomalies.append((ev.seq, "double_alloc", f"{ev.pool}/{ev.tier} slots {bad[:8]}"))
 
-    def _slots_freed(self, ev: SlotsFreed) -> None:
+    def _slots_freed(self, ev: SlotsFreed) -> list[int]:
+        """Returns the slots that were not allocated (the auditor reports them)."""
         t = self.tables.get((ev.pool, ev.tier))
         if t is None:
             self.anomalies.append((ev.seq, "unknown_pool", f"{ev.pool}/{ev.tier}"))
-            return
+            return []
         bad = t.apply_free(ev.indices)
         if bad:
             self.anomalies.append((ev.seq, "double_free", f"{ev.pool}/{ev.tier} slots {bad[:8]}"))
+        return bad
+
+    def apply_freed(self, ev: SlotsFreed) -> list[int]:
+        """:meth:`apply` for a ``SlotsFreed``, returning the slots that were not allocated."""
+        self.last_seq = ev.seq
+        return self._slots_freed(ev)
 
     def _allocation_failed(self, ev: AllocationFailed) -> None:
         self.allocation_failures += 1
