@@ -54,9 +54,7 @@ class EventLog:
         self._blocking: list[Any] = []
         self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)
-        self._cap = capacity if capacity is not None else -1
         self._seq = 0
-        self.overflowed = 0
         self._subscribers: list[Subscriber] = []
         self._subscriber_errors: dict[str, int] = {}
         self._sinks: list[Any] = []
@@ -66,16 +64,19 @@ class EventLog:
         self._closed = False
 
     # ------------------------------------------------------------------ write
-    def emit(self, cls: type[E], **fields: Any) -> E:
+    def emit(self, cls: type[E], /, **fields: Any) -> E:
         """Create, append and deliver one event of type ``cls``."""
+        if "seq" in fields or "ts_ns" in fields or "rank" in fields:
+            raise TypeError(f"emit({cls.__name__}, ...) stamps seq, ts_ns and rank itself; got {sorted(fields)}")
         with self._lock:
             seq = self._seq
+            # the header goes into the keyword dict the call already built (no second dict)
+            fields["seq"] = seq
+            fields["ts_ns"] = _time_ns()
+            fields["rank"] = self.rank
+            ev = cls(**fields)
             self._seq = seq + 1
-            ev = cls(seq=seq, ts_ns=_time_ns(), rank=self.rank, **fields)
-            events = self._events
-            if len(events) == self._cap:
-                self.overflowed += 1
-            events.append(ev)
+            self._events.append(ev)
             if self._blocking:
                 for runner in self._blocking:
                     runner.wait_for_room()
@@ -97,6 +98,11 @@ class EventLog:
                 self._dispatching = False
             return ev
 
+    @property
+    def overflowed(self) -> int:
+        """Events the ``capacity`` bound evicted from memory (every event was appended once)."""
+        return self._seq - len(self._events)
+
     def append(self, event: E) -> E:
         """Append an event built elsewhere; its ``seq`` must be the next one."""
         with self._lock:
@@ -110,10 +116,7 @@ class EventLog:
             return event
 
     def _store(self, ev: Event) -> None:
-        events = self._events
-        if len(events) == self._cap:
-            self.overflowed += 1
-        events.append(ev)
+        self._events.append(ev)
         for runner in self._blocking:
             runner.wait_for_room()
         self._ring[ev.seq & self._mask] = ev

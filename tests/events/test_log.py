@@ -54,6 +54,26 @@ def test_bound_evicts_oldest_and_counts_overflow() -> None:
     assert seen == [0, 1, 2, 3, 4]  # subscribers still see every event
 
 
+def test_overflow_counts_appended_events_too() -> None:
+    log = EventLog(capacity=2)
+    _emit_n(log, 2)
+    log.append(AllocationFailed(seq=2, ts_ns=1, pool="kv", tier="host", requested=1, available=0))
+    _emit_n(log, 1)
+    assert [e.seq for e in log.events()] == [2, 3] and log.overflowed == 2
+    assert EventLog(capacity=None).overflowed == 0
+
+
+@pytest.mark.parametrize("field", ["seq", "ts_ns", "rank"])
+def test_emit_refuses_a_header_field_and_spends_no_seq(field: str) -> None:
+    log = EventLog()
+    with pytest.raises(TypeError, match="stamps seq, ts_ns and rank itself"):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0, **{field: 7})
+    with pytest.raises(TypeError):  # an unknown field: the event is never built
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0, colour="red")
+    _emit_n(log, 1)
+    assert [e.seq for e in log.events()] == [0] and len(log) == 1 and log.overflowed == 0
+
+
 def test_reentrant_emit_is_delivered_after_the_current_event() -> None:
     log = EventLog()
     first: list[int] = []
