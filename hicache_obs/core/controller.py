@@ -62,7 +62,7 @@ from .transfer import (
     launch_backup,
     launch_load_all,
     launch_load_layer,
-    pair_runs,
+    tensor_pair_runs,
 )
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
@@ -771,7 +771,7 @@ class HiCacheController:
         (read once: the events and the copies share them), else ``None``."""
         is_device = self.runtime.is_device
         return [
-            (pool, h, d, None if is_device(h) or is_device(d) else pair_runs(h.tolist(), d.tolist()))
+            (pool, h, d, None if is_device(h) or is_device(d) else tensor_pair_runs(h, d))
             for pool, h, d in pairs
         ]
 

@@ -136,3 +136,17 @@ def test_the_cpu_controller_moves_fragmented_nodes_bit_exactly(layout: str, page
         assert torch.equal(p[:, back].view(torch.int16), before[k].view(torch.int16)), k
         assert bool((p[:, other] == 7).all()), "a slot outside the op was written"
     c.close()
+
+
+def test_tensor_pair_runs_equal_the_list_version() -> None:
+    """Long index tensors are grouped with numpy; the runs must be those of the Python loop."""
+    from hicache_obs.core.transfer import pair_runs, tensor_pair_runs
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        n = 1 + trial * 3
+        host = torch.randperm(4 * n, generator=g)[:n] if trial % 3 == 0 else torch.arange(7, 7 + n)
+        device = torch.arange(n) * (2 if trial % 4 == 0 else 1) if trial % 2 else torch.randperm(4 * n, generator=g)[:n]
+        if trial % 7 == 0:  # page-structured: runs of 16 on one side, broken on the other
+            device = torch.tensor([(i // 16) * 32 + i % 16 for i in range(n)])
+        assert tensor_pair_runs(host, device) == pair_runs(host.tolist(), device.tolist()), trial
