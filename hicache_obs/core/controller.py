@@ -104,6 +104,7 @@ class _PendingAck:
 
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
+_PLAIN_TENSOR_CALLS = torch._C.DisableTorchFunctionSubclass
 
 #: (pool, host indices, device indices, their ``pair_runs`` when the values are on the CPU)
 _Pair = tuple[str, torch.Tensor, torch.Tensor, Any]
@@ -299,13 +300,19 @@ class HiCacheController:
             if values is None and dev == "cpu":
                 values = t.tolist()
             runs = runs_from_list(values) if values else None
+        # metadata only: skip a tensor subclass's __torch_function__ (the sim runtime's
+        # costs ~6 us a call, and a description reads four attributes)
+        with _PLAIN_TENSOR_CALLS():
+            numel = t.numel()
+            dtype = t.dtype
+            ptr = t.data_ptr() if numel else 0
         return TensorRef(
             pool=pool,
             role=role,  # type: ignore[arg-type]  # "host" | "device", checked by callers
             device=dev,
-            numel=t.numel(),
-            dtype=_DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch."),
-            ptr=t.data_ptr() if t.numel() else 0,
+            numel=numel,
+            dtype=_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
+            ptr=ptr,
             indices=runs or None,
         )
 
