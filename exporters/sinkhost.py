@@ -48,6 +48,7 @@ import select
 import signal
 import struct
 import sys
+import threading
 import time
 from typing import Any
 
@@ -148,30 +149,37 @@ class SinkHost:
                 os.close(fd)
         self._stdin = os.fdopen(in_w, "wb")
         self._reply_fd = rep_r
+        # the runner calls handle_batch and flush/close from different threads: one frame
+        # (and one reply) at a time
+        self._lock = threading.Lock()
         try:
             ready = self._reply(time.monotonic() + start_timeout)
+            if "error" in ready:
+                raise ConfigError(f"sink host could not start its sinks: {ready['error']}")
         except BaseException:
             self._kill()
+            self._stdin.close()
+            os.close(self._reply_fd)
             raise
-        if "error" in ready:
-            self._kill()
-            raise ConfigError(f"sink host could not start its sinks: {ready['error']}")
         self.metrics_port: int | None = ready.get("prometheus_port")
 
     # ------------------------------------------------------------ sink API
     def handle_batch(self, events: list[Any]) -> None:
-        self._send(_EVENTS, self._enc.encode(events))
+        payload = self._enc.encode(events)
+        with self._lock:
+            self._send(_EVENTS, payload)
 
     def flush(self) -> None:
         """Wait until the child handled everything sent so far and flushed its sinks."""
-        self._token += 1
-        self._send(_FLUSH, str(self._token).encode())
-        deadline = time.monotonic() + self.reply_timeout
-        while True:
-            reply = self._reply(deadline)
-            if reply.get("flushed") == self._token:
-                self.stats = reply["stats"]
-                return
+        with self._lock:
+            self._token += 1
+            self._send(_FLUSH, str(self._token).encode())
+            deadline = time.monotonic() + self.reply_timeout
+            while True:
+                reply = self._reply(deadline)
+                if reply.get("flushed") == self._token:
+                    self.stats = reply["stats"]
+                    return
 
     def close(self) -> None:
         """Close the child's sinks; returns once they are closed (flushed, files closed).
@@ -180,6 +188,10 @@ class SinkHost:
         :meth:`wait` waits for that, and a later host (or :meth:`wait`) reaps it. Not
         waiting here keeps the process teardown (a few ms) out of the caller's close.
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True

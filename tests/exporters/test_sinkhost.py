@@ -177,3 +177,35 @@ def test_the_auditor_in_the_host_reaches_every_hosted_sink(controller: Any, tmp_
     stored = replay(tmp_path / "log", audit=True)  # the store holds the log's own events, gap-free
     assert len(stored.events) == len(c.log)
     assert sorted(f.key() for f in stored.findings or []) == sorted(f.key() for f in expected)
+
+
+def test_batches_and_flushes_from_two_threads_never_interleave(controller: Any) -> None:
+    """The runner hands batches over on its worker and flushes from another thread."""
+    import sys
+    import threading
+
+    c = controller("tiny_hybrid", audit=False)
+    run_workload(c, rounds=1)
+    events = c.log.events()
+    host = SinkHost([{"sink": "prometheus"}])
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show
+    flushes = []
+
+    def flusher() -> None:
+        for _ in range(100):
+            host.flush()
+            flushes.append(host.stats["events"])
+
+    t = threading.Thread(target=flusher)
+    t.start()
+    for _ in range(100):
+        for i in range(0, len(events), 7):
+            host.handle_batch(events[i : i + 7])
+    t.join()
+    sys.setswitchinterval(switch)
+    host.flush()
+    assert host.stats["events"] == 100 * len(events) and host.stats["errors"] == {}
+    assert flushes == sorted(flushes) and host.returncode is None
+    host.close()
+    assert host.wait(10) == 0
