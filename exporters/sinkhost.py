@@ -21,9 +21,10 @@ The sinks are described, not passed, as JSON-able dicts (the child builds them):
   ``OTEL_EXPORTER_OTLP_*`` environment decides) or ``{"sink": "otel", "exporter":
   "memory"}`` (spans kept in the child, counted in :attr:`SinkHost.stats`). With a
   structlog sink in the same host, its lines carry the spans' ``trace_id``/``span_id``.
-- ``{"sink": "jsonl", "dir": PATH, "max_bytes": N, "fsync": false}``: the durable store.
-  The parent's runner for a host with a store should block rather than drop
-  (:func:`add_sink_host` does that).
+- ``{"sink": "jsonl", "dir": PATH, "max_bytes": N, "fsync": false, "rank": R}``: the
+  durable store (:func:`add_sink_host` fills ``rank`` from the log). The parent's runner
+  for a host with a store should block rather than drop, and be closed at exit
+  (:func:`add_sink_host` does both, as ``open_store`` does).
 
 - ``{"sink": "audit"}``: the stream-safety auditor runs in the host instead of inline
   in the controller's process. Its ``AuditViolation`` events reach the host's other sinks
@@ -55,6 +56,7 @@ from typing import Any
 import msgspec
 
 from hicache_obs.errors import ConfigError, HiCacheError
+from hicache_obs.events.store import close_at_exit
 
 __all__ = ["SinkHost", "SinkHostError", "add_sink_host", "SINK_KINDS"]
 
@@ -64,7 +66,7 @@ SINK_KINDS: dict[str, frozenset[str]] = {
     "prometheus": frozenset({"port", "addr", "pools"}),
     "structlog": frozenset({"file", "level"}),
     "otel": frozenset({"endpoint", "exporter", "service_name"}),
-    "jsonl": frozenset({"dir", "max_bytes", "fsync"}),
+    "jsonl": frozenset({"dir", "max_bytes", "fsync", "rank"}),
 }
 
 _HEADER = struct.Struct("<cI")  # frame kind, payload length
@@ -280,9 +282,16 @@ def add_sink_host(log: Any, sinks: list[dict[str, Any]], **host_options: Any) ->
     The runner blocks the producer (up to its timeout) rather than drop when the host
     holds a durable store, as :func:`~hicache_obs.events.store.open_store` does.
     """
-    host = SinkHost(sinks, **host_options)
+    specs = _check_specs(sinks)
+    for spec in specs:  # a hosted store names its segments after the log's rank
+        if spec["sink"] == "jsonl":
+            spec.setdefault("rank", log.rank)
+    host = SinkHost(specs, **host_options)
     durable = any(s["sink"] == "jsonl" for s in host.specs)
-    return log.add_sink(host, policy="block" if durable else "drop")
+    runner = log.add_sink(host, policy="block" if durable else "drop")
+    if durable:  # like open_store: what is queued reaches the disk at exit too
+        close_at_exit(runner)
+    return runner
 
 
 # ------------------------------------------------------------------ child side
@@ -336,7 +345,14 @@ def _build(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list
         from hicache_obs.events.store import JsonlStore
 
         s = by_kind["jsonl"]
-        sinks.append(JsonlStore(s["dir"], max_bytes=s.get("max_bytes", 64 << 20), fsync=bool(s.get("fsync", False))))
+        sinks.append(
+            JsonlStore(
+                s["dir"],
+                rank=s.get("rank", 0),
+                max_bytes=s.get("max_bytes", 64 << 20),
+                fsync=bool(s.get("fsync", False)),
+            )
+        )
     return sinks, ready, closers
 
 

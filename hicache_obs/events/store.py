@@ -171,6 +171,11 @@ def _close_all_at_exit() -> None:
 atexit.register(_close_all_at_exit)
 
 
+def close_at_exit(runner: Any) -> None:
+    """Close ``runner`` at interpreter exit unless it was closed before (durable sinks)."""
+    _open_runners.add(runner)
+
+
 def open_store(
     log: Any,
     directory: str | os.PathLike[str],
@@ -188,5 +193,5 @@ def open_store(
     """
     store = JsonlStore(directory, rank=log.rank, max_bytes=max_bytes, fsync=fsync, mode=mode)
     runner = log.add_sink(store, name="jsonl", policy=policy, max_queue=max_queue)
-    _open_runners.add(runner)
+    close_at_exit(runner)
     return runner

@@ -209,3 +209,30 @@ def test_batches_and_flushes_from_two_threads_never_interleave(controller: Any) 
     assert flushes == sorted(flushes) and host.returncode is None
     host.close()
     assert host.wait(10) == 0
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys
+from hicache_obs.events.log import EventLog
+from hicache_obs.events.schema import AllocationFailed
+from hicache_obs.exporters.sinkhost import add_sink_host
+
+log = EventLog(rank=2)
+add_sink_host(log, [{"sink": "jsonl", "dir": sys.argv[1]}])
+for i in range(5000):
+    log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+# no close: the hosted store still gets every event at exit
+"""
+
+
+def test_a_hosted_store_is_named_after_the_rank_and_written_at_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path / "log")], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert [p.name for p in (tmp_path / "log").iterdir()] == ["events-2-00000.jsonl"]
+    stored = replay(tmp_path / "log")
+    assert len(stored.events) == 5000 and stored.events[-1].requested == 4999 and stored.ranks == [2]
