@@ -186,23 +186,47 @@ def _short(exc: Exception) -> str:
 def read_segments(paths: Sequence[str | os.PathLike[str]]) -> ReplayResult:
     """Read and validate files or folders; events per rank in seq order, not folded."""
     files = expand_paths(paths)
-    by_rank: dict[int, list[tuple[Event, str]]] = {}
     torn: list[TornLine] = []
+    read: list[tuple[str, list[Event]]] = []
     for f in files:
         evs, t = read_file(f)
         if t is not None:
             torn.append(t)
-        name = str(f)
-        for ev in evs:
-            by_rank.setdefault(ev.rank, []).append((ev, name))
-    ordered: dict[int, list[Event]] = {}
-    for rank, items in by_rank.items():
-        items.sort(key=lambda x: x[0].seq)
-        _check_sequence(rank, items)
-        ordered[rank] = [ev for ev, _ in items]
+        read.append((str(f), evs))
+    ordered = _in_order(read)
+    if ordered is None:  # several ranks in a file, or segments out of order: event by event
+        by_rank: dict[int, list[tuple[Event, str]]] = {}
+        for name, evs in read:
+            for ev in evs:
+                by_rank.setdefault(ev.rank, []).append((ev, name))
+        ordered = {}
+        for rank, items in by_rank.items():
+            items.sort(key=lambda x: x[0].seq)
+            _check_sequence(rank, items)
+            ordered[rank] = [ev for ev, _ in items]
     res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, by_rank=ordered)
     res.events = _merge(ordered)
     return res
+
+
+def _in_order(read: list[tuple[str, list[Event]]]) -> dict[int, list[Event]] | None:
+    """The usual log: each segment one rank's gap-free run of seqs, the segments of a rank
+    following on. Then each rank's events are the segments joined, checked without a
+    per-event sort; ``None`` when that does not hold (the caller sorts and names the
+    first gap or duplicate)."""
+    by_rank: dict[int, list[Event]] = {}
+    for _, evs in read:
+        if not evs:
+            continue
+        rank, first = evs[0].rank, evs[0].seq
+        seqs = [ev.seq for ev in evs]
+        if seqs != list(range(first, first + len(evs))) or any(ev.rank != rank for ev in evs):
+            return None
+        have = by_rank.setdefault(rank, [])
+        if len(have) != first:  # every rank starts at seq 0 and has no gap between segments
+            return None
+        have.extend(evs)
+    return by_rank
 
 
 def _check_sequence(rank: int, items: list[tuple[Event, str]]) -> None:
