@@ -1,9 +1,17 @@
-"""The C extension only; everything else about the package is in pyproject.toml.
+"""The C extensions only; everything else about the package is in pyproject.toml.
 
-``hicache_obs._copy`` is the cpu runtime's copy loop: plain C against the Python API
-(no torch headers, no ninja), built by ``pip install`` with the system C compiler.
+Both are plain C against the Python API (no torch headers, no ninja), built by
+``pip install`` with the system C compiler:
+
+- ``hicache_obs._copy``: the cpu runtime's copy loop;
+- ``hicache_obs._logcore``: the event log's append path (``EventLog.emit``).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("hicache_obs._copy", ["hicache_obs/_copy.c"], extra_compile_args=["-O2"])])
+setup(
+    ext_modules=[
+        Extension("hicache_obs._copy", ["hicache_obs/_copy.c"], extra_compile_args=["-O2"]),
+        Extension("hicache_obs._logcore", ["hicache_obs/_logcore.c"], extra_compile_args=["-O2"]),
+    ]
+)

@@ -3,6 +3,7 @@
 Operations:
 
 - ``emit(cls, **fields)``: stamp the header (seq, ts_ns, rank), append, deliver
+  (compiled: ``hicache_obs/_logcore.c``)
 - ``append(event)``: append a pre-built event whose ``seq`` is the next one
 - ``subscribe(fn)``: a synchronous subscriber, called inline in log order
   (bookkeeping folds, the live auditor); returns an unsubscribe callable
@@ -20,10 +21,9 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from time import time_ns as _time_ns
 from typing import Any, TypeVar
 
-from ..errors import SequenceError
+from ..errors import ConfigError, SequenceError
 from .schema import Event
 
 __all__ = ["EventLog", "Subscriber"]
@@ -33,24 +33,39 @@ E = TypeVar("E", bound=Event)
 
 _log = logging.getLogger("hicache_obs.events")
 
+try:
+    from .._logcore import LogCore
+except ImportError as _exc:
+    raise ConfigError(
+        f"the event log's append path hicache_obs._logcore is not built ({_exc}); install the package "
+        "with a C compiler present (make venv, or pip install -e .)"
+    ) from None
 
-class EventLog:
+
+class EventLog(LogCore):
     """Append-only log of events with synchronous subscribers and async sinks.
 
     ``capacity`` bounds how many events stay in memory (oldest evicted first,
     counted in ``overflowed``); subscribers and sinks still see every event.
+
+    ``emit`` is the compiled ``LogCore.emit`` (``hicache_obs/_logcore.c``); ``append``
+    below is the same path in Python, for events built elsewhere.
     """
+
+    # inherited from LogCore: emit(cls, /, **fields) stamps the header (seq, ts_ns, rank;
+    # a header field among the fields is a TypeError), stores the event and delivers it
+    # to every subscriber in order; a failed construction spends no seq. Its attributes
+    # rank, published (events stored in the ring; sinks read seqs below it), _seq and
+    # _dispatching live in the C struct.
 
     def __init__(self, *, rank: int = 0, capacity: int | None = 1_000_000, ring_size: int = 1 << 16) -> None:
         if ring_size < 1 << 12 or ring_size & (ring_size - 1):
-            from ..errors import ConfigError
-
             raise ConfigError(f"ring_size must be a power of two >= 4096, got {ring_size}")
         self.rank = rank
         self.ring_size = ring_size
         self._mask = ring_size - 1
         self._ring: list[Any] = [None] * ring_size
-        self.published = 0  # events stored in the ring; sinks read seqs below it
+        self.published = 0
         self._blocking: list[Any] = []
         self.capacity = capacity
         self._events: deque[Event] = deque(maxlen=capacity)
@@ -62,42 +77,16 @@ class EventLog:
         self._dispatching = False
         self._pending: deque[Event] = deque()
         self._closed = False
+        self._bind(
+            ring=self._ring,
+            events=self._events,
+            subscribers=self._subscribers,
+            blocking=self._blocking,
+            pending=self._pending,
+            lock=self._lock,
+        )
 
     # ------------------------------------------------------------------ write
-    def emit(self, cls: type[E], /, **fields: Any) -> E:
-        """Create, append and deliver one event of type ``cls``."""
-        if "seq" in fields or "ts_ns" in fields or "rank" in fields:
-            raise TypeError(f"emit({cls.__name__}, ...) stamps seq, ts_ns and rank itself; got {sorted(fields)}")
-        with self._lock:
-            seq = self._seq
-            # the header goes into the keyword dict the call already built (no second dict)
-            fields["seq"] = seq
-            fields["ts_ns"] = _time_ns()
-            fields["rank"] = self.rank
-            ev = cls(**fields)
-            self._seq = seq + 1
-            self._events.append(ev)
-            if self._blocking:
-                for runner in self._blocking:
-                    runner.wait_for_room()
-            self._ring[seq & self._mask] = ev
-            self.published = seq + 1
-            if self._dispatching:
-                self._pending.append(ev)
-                return ev
-            self._dispatching = True
-            try:
-                for fn in self._subscribers:
-                    try:
-                        fn(ev)
-                    except Exception:
-                        self._subscriber_failed(fn, ev)
-                if self._pending:
-                    self._drain_pending()
-            finally:
-                self._dispatching = False
-            return ev
-
     @property
     def overflowed(self) -> int:
         """Events the ``capacity`` bound evicted from memory (every event was appended once)."""
@@ -140,13 +129,13 @@ class EventLog:
         for fn in self._subscribers:
             try:
                 fn(ev)
-            except Exception:  # a subscriber must not break the hot path
-                self._subscriber_failed(fn, ev)
+            except Exception as exc:  # a subscriber must not break the hot path
+                self._subscriber_failed(fn, ev, exc)
 
-    def _subscriber_failed(self, fn: Subscriber, ev: Event) -> None:
+    def _subscriber_failed(self, fn: Subscriber, ev: Event, exc: BaseException) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
         self._subscriber_errors[name] = self._subscriber_errors.get(name, 0) + 1
-        _log.exception("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq)
+        _log.error("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq, exc_info=exc)
 
     # ------------------------------------------------------------ subscribers
     def subscribe(self, fn: Subscriber, *, first: bool = False) -> Callable[[], None]:

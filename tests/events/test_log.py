@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 
@@ -213,3 +215,105 @@ def test_concurrent_emitters_get_unique_gap_free_seqs() -> None:
     log.close()
     assert sorted(e.seq for e in log.events()) == list(range(2000))
     assert [e.seq for e in sink.events] == list(range(2000))
+
+
+# ---------------------------------------------------- the compiled emit (_logcore.c)
+class _Made:
+    """A non-struct event class: any callable taking the fields and the header works."""
+
+    def __init__(self, **fields: object) -> None:
+        self.__dict__.update(fields)
+
+
+def test_emit_takes_the_class_as_its_only_positional_argument() -> None:
+    log = EventLog()
+    with pytest.raises(TypeError, match="only positional argument, got 2"):
+        log.emit(AllocationFailed, "kv")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="only positional argument, got 0"):
+        log.emit()  # type: ignore[call-arg]
+    assert len(log) == 0
+
+
+def test_emit_stamps_the_wall_clock_and_the_current_rank() -> None:
+    log = EventLog(rank=2)
+    before = time.time_ns()
+    a = log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0)
+    log.rank = 5
+    b = log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0)
+    after = time.time_ns()
+    assert before <= a.ts_ns <= b.ts_ns <= after
+    assert (a.rank, b.rank) == (2, 5)
+    assert (a.seq, b.seq, log.published, log.next_seq) == (0, 1, 2, 2)
+
+
+def test_emit_with_many_fields_and_many_distinct_field_sets() -> None:
+    log = EventLog(capacity=None)
+    wide = {f"f{i}": i for i in range(40)}  # more than the compiled path keeps on its stack
+    ev = log.emit(_Made, **wide)
+    assert {k: getattr(ev, k) for k in wide} == wide and ev.seq == 0
+    for i in range(5000):  # more field sets than the name cache holds: it starts over
+        ev = log.emit(_Made, **{f"x{i}": i, "pool": "kv"})
+        assert getattr(ev, f"x{i}") == i and ev.pool == "kv" and ev.seq == i + 1
+    with pytest.raises(TypeError, match=r"emit\(_Made, \.\.\.\) stamps seq, ts_ns and rank itself; got \['a', 'seq'\]"):
+        log.emit(_Made, seq=1, a=2)
+    assert len(log) == 5001
+
+
+def test_emit_keeps_no_reference_it_should_not() -> None:
+    log = EventLog(capacity=0, ring_size=1 << 12)
+    marker = object()
+    base = sys.getrefcount(marker)
+    for _ in range(3 * log.ring_size):
+        log.emit(_Made, value=marker)
+    assert sys.getrefcount(marker) == base + log.ring_size  # the ring's events hold it, nothing else
+    for _ in range(log.ring_size):
+        log.emit(_Made, value=None)
+    assert sys.getrefcount(marker) == base
+    with pytest.raises(TypeError):
+        log.emit(AllocationFailed, pool=marker, nothing=1)
+    assert sys.getrefcount(marker) == base
+
+
+def test_a_subscriber_failure_is_logged_with_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    log = EventLog()
+
+    def broken(ev: object) -> None:
+        raise ValueError("bad subscriber")
+
+    log.subscribe(broken)
+    with caplog.at_level(logging.ERROR, logger="hicache_obs.events"):
+        _emit_n(log, 1)
+    (rec,) = caplog.records
+    assert "broken" in rec.getMessage() and "seq=0" in rec.getMessage()
+    assert rec.exc_info is not None and isinstance(rec.exc_info[1], ValueError)
+    assert "bad subscriber" in caplog.text and "Traceback" in caplog.text
+
+
+def test_a_base_exception_in_a_subscriber_propagates_and_leaves_the_log_usable() -> None:
+    log = EventLog()
+    got: list[int] = []
+    stop = [True]
+
+    def interrupting(ev: object) -> None:
+        if stop[0]:
+            stop[0] = False
+            raise KeyboardInterrupt
+
+    log.subscribe(interrupting)
+    log.subscribe(lambda e: got.append(e.seq))
+    with pytest.raises(KeyboardInterrupt):
+        _emit_n(log, 1)
+    assert len(log) == 1 and got == []  # appended, then the interrupt cut delivery short
+    # the lock was released and delivery is not stuck in "dispatching"
+    t = threading.Thread(target=_emit_n, args=(log, 1))
+    t.start()
+    t.join(5)
+    assert not t.is_alive()
+    _emit_n(log, 1)
+    assert got == [1, 2] and len(log) == 3
+
+
+def test_emit_without_init_is_an_error() -> None:
+    log = EventLog.__new__(EventLog)
+    with pytest.raises(RuntimeError, match="__init__ did not run"):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0)

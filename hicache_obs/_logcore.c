@@ -1,0 +1,368 @@
+/* The event log's append path in C: hicache_obs.events.log.EventLog subclasses LogCore.
+ *
+ * LogCore.emit(cls, /, **fields) does what EventLog.emit documents, without building a
+ * keyword dict and without a Python frame:
+ *
+ *   - refuse a header field (seq, ts_ns, rank) among the fields, with a TypeError;
+ *   - take the log's lock (the Python RLock EventLog's other methods take);
+ *   - build the event with cls(**fields, seq=, ts_ns=time.time_ns(), rank=), through
+ *     vectorcall; a failed construction spends no seq;
+ *   - append it to the retained deque, wait for room in every blocking sink runner,
+ *     store it in the ring and publish it to the sink runners;
+ *   - deliver it to every subscriber in order; a subscriber that raises an Exception is
+ *     reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; an
+ *     event emitted while subscribers run is queued in _pending and delivered by
+ *     EventLog._drain_pending() once the current one reached every subscriber.
+ *
+ * The lock is released on every path out. The header's keyword names are cached per
+ * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <time.h>
+
+#define MAX_CACHED_NAMES 4096
+#define STACK_ARGS 24
+
+typedef struct {
+    PyObject_HEAD
+    long long seq;       /* the next seq to hand out */
+    long long published; /* events stored in the ring; sink runners read seqs below it */
+    int dispatching;     /* subscribers are running (an emit from one is queued) */
+    PyObject *rank;
+    PyObject *ring;        /* list, its length a power of two */
+    PyObject *events_append;
+    PyObject *subscribers; /* list */
+    PyObject *blocking;    /* list of runners with wait_for_room() */
+    PyObject *pending;     /* deque */
+    PyObject *acquire, *release;
+} LogCore;
+
+static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts_ns", "rank") */
+static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
+static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_drain, *str_name;
+
+static int core_traverse(LogCore *self, visitproc visit, void *arg) {
+    Py_VISIT(self->rank);
+    Py_VISIT(self->ring);
+    Py_VISIT(self->events_append);
+    Py_VISIT(self->subscribers);
+    Py_VISIT(self->blocking);
+    Py_VISIT(self->pending);
+    Py_VISIT(self->acquire);
+    Py_VISIT(self->release);
+    return 0;
+}
+
+static int core_clear(LogCore *self) {
+    Py_CLEAR(self->rank);
+    Py_CLEAR(self->ring);
+    Py_CLEAR(self->events_append);
+    Py_CLEAR(self->subscribers);
+    Py_CLEAR(self->blocking);
+    Py_CLEAR(self->pending);
+    Py_CLEAR(self->acquire);
+    Py_CLEAR(self->release);
+    return 0;
+}
+
+static void core_dealloc(LogCore *self) {
+    PyObject_GC_UnTrack(self);
+    core_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", NULL};
+    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO:_bind", kwlist, &PyList_Type, &ring, &events,
+                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ring);
+    if (n < 1 || (n & (n - 1))) {
+        PyErr_Format(PyExc_ValueError, "the ring's length must be a power of two, got %zd", n);
+        return NULL;
+    }
+    PyObject *events_append = PyObject_GetAttr(events, str_append);
+    PyObject *acquire = events_append ? PyObject_GetAttr(lock, str_acquire) : NULL;
+    PyObject *release = acquire ? PyObject_GetAttr(lock, str_release) : NULL;
+    if (!release) {
+        Py_XDECREF(events_append);
+        Py_XDECREF(acquire);
+        return NULL;
+    }
+    Py_XSETREF(self->events_append, events_append);
+    Py_XSETREF(self->acquire, acquire);
+    Py_XSETREF(self->release, release);
+    Py_INCREF(ring);
+    Py_XSETREF(self->ring, ring);
+    Py_INCREF(subscribers);
+    Py_XSETREF(self->subscribers, subscribers);
+    Py_INCREF(blocking);
+    Py_XSETREF(self->blocking, blocking);
+    Py_INCREF(pending);
+    Py_XSETREF(self->pending, pending);
+    Py_RETURN_NONE;
+}
+
+/* The cached keyword names for these field names, or NULL with an exception set. Borrowed. */
+static PyObject *full_names(PyObject *cls, PyObject *kwnames) {
+    PyObject *key = kwnames ? kwnames : PyTuple_New(0);
+    if (!key)
+        return NULL;
+    PyObject *full = PyDict_GetItemWithError(names_cache, key);
+    if (full || PyErr_Occurred())
+        goto done;
+    Py_ssize_t k = PyTuple_GET_SIZE(key);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int hit = PySequence_Contains(header_names, PyTuple_GET_ITEM(key, i));
+        if (hit < 0)
+            goto done;
+        if (hit) {
+            PyObject *sorted = PySequence_List(key);
+            if (sorted && PyList_Sort(sorted) == 0) {
+                PyObject *name = PyObject_GetAttr(cls, str_name);
+                if (!name) {
+                    PyErr_Clear();
+                    name = PyObject_Repr(cls);
+                }
+                if (name)
+                    PyErr_Format(PyExc_TypeError, "emit(%U, ...) stamps seq, ts_ns and rank itself; got %R", name,
+                                 sorted);
+                Py_XDECREF(name);
+            }
+            Py_XDECREF(sorted);
+            goto done;
+        }
+    }
+    PyObject *made = PySequence_Concat(key, header_names);
+    if (!made)
+        goto done;
+    if (PyDict_GET_SIZE(names_cache) >= MAX_CACHED_NAMES)
+        PyDict_Clear(names_cache); /* field sets built on the fly: start over rather than grow */
+    if (PyDict_SetItem(names_cache, key, made) < 0) {
+        Py_DECREF(made);
+        goto done;
+    }
+    Py_DECREF(made);
+    full = made; /* the cache holds it */
+done:
+    if (!kwnames)
+        Py_DECREF(key);
+    return full;
+}
+
+/* Release the lock, keeping any exception already set. */
+static int unlock(LogCore *self) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallNoArgs(self->release);
+    if (!r) {
+        if (t) /* the first error wins */
+            PyErr_Clear();
+        else
+            return -1;
+    }
+    Py_XDECREF(r);
+    PyErr_Restore(t, v, tb);
+    return t ? -1 : 0;
+}
+
+static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "emit() takes the event class as its only positional argument, got %zd",
+                     nargs);
+        return NULL;
+    }
+    if (!self->release) {
+        PyErr_SetString(PyExc_RuntimeError, "emit() on an EventLog whose __init__ did not run");
+        return NULL;
+    }
+    PyObject *cls = args[0];
+    PyObject *names = full_names(cls, kwnames);
+    if (!names)
+        return NULL;
+    Py_ssize_t k = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *small[STACK_ARGS];
+    PyObject **stack = small;
+    if (k + 3 > STACK_ARGS) {
+        stack = PyMem_Malloc((size_t)(k + 3) * sizeof(PyObject *));
+        if (!stack)
+            return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < k; i++)
+        stack[i] = args[1 + i];
+    Py_INCREF(names); /* a concurrent cache clear must not free it under the call */
+
+    PyObject *ev = NULL, *seq_obj = NULL, *ts_obj = NULL;
+    PyObject *r = PyObject_CallNoArgs(self->acquire);
+    if (!r)
+        goto out;
+    Py_DECREF(r);
+
+    long long seq = self->seq;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    seq_obj = PyLong_FromLongLong(seq);
+    ts_obj = seq_obj ? PyLong_FromLongLong((long long)now.tv_sec * 1000000000LL + now.tv_nsec) : NULL;
+    if (!ts_obj) {
+        unlock(self);
+        goto out;
+    }
+    stack[k] = seq_obj;
+    stack[k + 1] = ts_obj;
+    stack[k + 2] = self->rank ? self->rank : Py_None;
+    ev = PyObject_Vectorcall(cls, stack, 0, names);
+    if (!ev) { /* no seq spent */
+        unlock(self);
+        goto out;
+    }
+    self->seq = seq + 1;
+    r = PyObject_CallOneArg(self->events_append, ev);
+    if (!r)
+        goto fail_locked;
+    Py_DECREF(r);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->blocking); i++) {
+        PyObject *runner = PyList_GET_ITEM(self->blocking, i);
+        Py_INCREF(runner);
+        r = PyObject_CallMethodNoArgs(runner, str_wait_for_room);
+        Py_DECREF(runner);
+        if (!r)
+            goto fail_locked;
+        Py_DECREF(r);
+    }
+    Py_ssize_t size = PyList_GET_SIZE(self->ring);
+    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(size - 1));
+    PyObject *old = PyList_GET_ITEM(self->ring, slot);
+    Py_INCREF(ev);
+    PyList_SET_ITEM(self->ring, slot, ev);
+    Py_XDECREF(old);
+    self->published = seq + 1;
+
+    if (self->dispatching) {
+        r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
+        if (!r)
+            goto fail_locked;
+        Py_DECREF(r);
+        goto done;
+    }
+    self->dispatching = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->subscribers); i++) {
+        PyObject *fn = PyList_GET_ITEM(self->subscribers, i);
+        Py_INCREF(fn);
+        r = PyObject_CallOneArg(fn, ev);
+        if (!r) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like go up */
+                Py_DECREF(fn);
+                self->dispatching = 0;
+                goto fail_locked;
+            }
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            if (tb)
+                PyException_SetTraceback(v, tb);
+            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, fn, ev, v, NULL);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            if (!r) {
+                Py_DECREF(fn);
+                self->dispatching = 0;
+                goto fail_locked;
+            }
+        }
+        Py_DECREF(r);
+        Py_DECREF(fn);
+    }
+    Py_ssize_t waiting = PyObject_Size(self->pending);
+    if (waiting) {
+        r = waiting > 0 ? PyObject_CallMethodNoArgs((PyObject *)self, str_drain) : NULL;
+        if (!r) {
+            self->dispatching = 0;
+            goto fail_locked;
+        }
+        Py_DECREF(r);
+    }
+    self->dispatching = 0;
+done:
+    if (unlock(self) < 0)
+        Py_CLEAR(ev);
+    goto out;
+fail_locked:
+    Py_CLEAR(ev);
+    unlock(self);
+out:
+    Py_XDECREF(seq_obj);
+    Py_XDECREF(ts_obj);
+    Py_DECREF(names);
+    if (stack != small)
+        PyMem_Free(stack);
+    return ev;
+}
+
+static PyMethodDef core_methods[] = {
+    {"emit", (PyCFunction)(void (*)(void))core_emit, METH_FASTCALL | METH_KEYWORDS,
+     "emit(cls, /, **fields)\n--\n\nCreate, append and deliver one event of type ``cls``."},
+    {"_bind", (PyCFunction)(void (*)(void))core_bind, METH_VARARGS | METH_KEYWORDS,
+     "Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque and lock."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef core_members[] = {
+    {"_seq", T_LONGLONG, offsetof(LogCore, seq), 0, "the next seq to hand out"},
+    {"published", T_LONGLONG, offsetof(LogCore, published), 0,
+     "events stored in the ring; sink runners read seqs below it"},
+    {"_dispatching", T_BOOL, offsetof(LogCore, dispatching), 0, "subscribers are running"},
+    {"rank", T_OBJECT, offsetof(LogCore, rank), 0, "the rank stamped on every event"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject LogCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._logcore.LogCore",
+    .tp_basicsize = sizeof(LogCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The event log's append path (see hicache_obs/_logcore.c).",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_traverse = (traverseproc)core_traverse,
+    .tp_clear = (inquiry)core_clear,
+    .tp_methods = core_methods,
+    .tp_members = core_members,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_logcore", "The event log's append path.", -1, NULL};
+
+PyMODINIT_FUNC PyInit__logcore(void) {
+    names_cache = PyDict_New();
+    PyObject *seq = PyUnicode_InternFromString("seq"), *ts = PyUnicode_InternFromString("ts_ns"),
+             *rank = PyUnicode_InternFromString("rank");
+    header_names = seq && ts && rank ? PyTuple_Pack(3, seq, ts, rank) : NULL; /* interned, as kwnames are */
+    Py_XDECREF(seq);
+    Py_XDECREF(ts);
+    Py_XDECREF(rank);
+    str_append = PyUnicode_InternFromString("append");
+    str_acquire = PyUnicode_InternFromString("acquire");
+    str_release = PyUnicode_InternFromString("release");
+    str_wait_for_room = PyUnicode_InternFromString("wait_for_room");
+    str_failed = PyUnicode_InternFromString("_subscriber_failed");
+    str_drain = PyUnicode_InternFromString("_drain_pending");
+    str_name = PyUnicode_InternFromString("__name__");
+    if (!names_cache || !header_names || !str_append || !str_acquire || !str_release || !str_wait_for_room ||
+        !str_failed || !str_drain || !str_name)
+        return NULL;
+    if (PyType_Ready(&LogCoreType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&LogCoreType);
+    if (PyModule_AddObject(m, "LogCore", (PyObject *)&LogCoreType) < 0) {
+        Py_DECREF(&LogCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,14 @@
+# The event log's append path (hicache_obs/_logcore.c); EventLog subclasses LogCore.
+from typing import Any, TypeVar
+
+_E = TypeVar("_E")
+
+class LogCore:
+    rank: Any
+    published: int
+    _seq: int
+    _dispatching: bool
+    def emit(self, cls: type[_E], /, **fields: Any) -> _E: ...
+    def _bind(
+        self, *, ring: list[Any], events: Any, subscribers: list[Any], blocking: list[Any], pending: Any, lock: Any
+    ) -> None: ...
