@@ -11,7 +11,7 @@ DEMO_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py hicache_obs/_copy.c hicache_obs/_logcore.c
+$(STAMP): pyproject.toml setup.py hicache_obs/_copy.c hicache_obs/_logcore.c hicache_obs/_slots.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned, so that nothing else can pull a newer (CUDA) build

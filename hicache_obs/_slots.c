@@ -1,0 +1,522 @@
+/* Which slots of a pool are allocated, and the FIFO order of its free pages, in C.
+ *
+ * hicache_obs.events.state.SlotTable and AllocMap subclass SlotMap. Every allocation
+ * and free of a live controller, and of a replayed log, passes through it.
+ *
+ * SlotMap(capacity, page_size=1, track_pages=True)
+ *   alloc[capacity]     one byte per slot: 1 allocated, 0 free
+ *   page_used[npages]   allocated slots per page (page_size > 1)
+ *   the free list       the FIFO the allocator takes pages from: the never-used pages
+ *                       from `fresh` upwards (less the holes: pages above `fresh` taken
+ *                       out of order), then the freed pages in the order they were freed
+ *                       (a doubly linked list over the pages, O(1) removal).
+ * Without track_pages only `alloc` exists (what the auditor needs).
+ *
+ * Runs are ((start, length), ...). A run that lies (partly) out of range, or has a
+ * length <= 0, changes nothing and reports a few of its slots; slots that already were
+ * in the state asked for are reported and skipped, the others applied.
+ *
+ * The page arrays are calloc'd: pages never used cost no memory the OS has to back.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HOLE 1u
+#define FREED 2u
+
+typedef struct {
+    PyObject_HEAD
+    long long capacity, page_size, npages;
+    long long used;        /* allocated slots */
+    long long fresh;       /* the lowest page never allocated (bar holes) */
+    long long n;           /* free pages */
+    long long head, tail;  /* freed list, page + 1 (0: empty) */
+    long long nholes;
+    int track;
+    unsigned char *alloc;  /* capacity */
+    uint32_t *page_used;   /* npages, page_size > 1 */
+    unsigned char *flags;  /* npages: HOLE | FREED */
+    uint32_t *next, *prev; /* npages, page + 1 (0: none) */
+} SlotMap;
+
+static void release_arrays(SlotMap *self) {
+    free(self->alloc);
+    free(self->page_used);
+    free(self->flags);
+    free(self->next);
+    free(self->prev);
+    self->alloc = NULL;
+    self->page_used = NULL;
+    self->flags = NULL;
+    self->next = self->prev = NULL;
+}
+
+static void map_dealloc(SlotMap *self) {
+    release_arrays(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int map_init(SlotMap *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity", "page_size", "track_pages", NULL};
+    long long capacity, page_size = 1;
+    int track = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "L|Lp:SlotMap", kwlist, &capacity, &page_size, &track))
+        return -1;
+    if (capacity < 0 || capacity > (1LL << 31)) {
+        PyErr_Format(PyExc_ValueError, "capacity must be in 0..%lld, got %lld", 1LL << 31, capacity);
+        return -1;
+    }
+    if (page_size < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %lld", page_size);
+        return -1;
+    }
+    release_arrays(self);
+    self->capacity = capacity;
+    self->page_size = page_size;
+    self->npages = track ? capacity / page_size : 0;
+    self->track = track;
+    self->used = self->fresh = self->head = self->tail = self->nholes = 0;
+    self->n = self->npages;
+    size_t np = (size_t)self->npages + 1;
+    self->alloc = calloc((size_t)capacity + 1, 1);
+    int ok = self->alloc != NULL;
+    if (track) {
+        self->flags = calloc(np, 1);
+        self->next = calloc(np, sizeof(uint32_t));
+        self->prev = calloc(np, sizeof(uint32_t));
+        ok = ok && self->flags && self->next && self->prev;
+        if (page_size > 1) {
+            self->page_used = calloc(np, sizeof(uint32_t));
+            ok = ok && self->page_used;
+        }
+    }
+    if (!ok) {
+        release_arrays(self);
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static int ready(SlotMap *self) {
+    if (!self->alloc) {
+        PyErr_SetString(PyExc_RuntimeError, "SlotMap.__init__ did not run");
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------- free list */
+static void unlink_freed(SlotMap *self, long long p) {
+    uint32_t nx = self->next[p], pv = self->prev[p];
+    if (pv)
+        self->next[pv - 1] = nx;
+    else
+        self->head = nx;
+    if (nx)
+        self->prev[nx - 1] = pv;
+    else
+        self->tail = pv;
+    self->next[p] = self->prev[p] = 0;
+    self->flags[p] &= (unsigned char)~FREED;
+}
+
+/* Page p was allocated: it leaves the free list (nothing if it was not on it). */
+static void take(SlotMap *self, long long p) {
+    if (p < 0 || p >= self->npages)
+        return;
+    unsigned char f = self->flags[p];
+    if (f & FREED) {
+        unlink_freed(self, p);
+        self->n--;
+    } else if (p == self->fresh) {
+        self->n--;
+        self->fresh++;
+        while (self->nholes && self->fresh < self->npages && (self->flags[self->fresh] & HOLE)) {
+            self->flags[self->fresh] &= (unsigned char)~HOLE;
+            self->nholes--;
+            self->fresh++;
+        }
+    } else if (p > self->fresh && !(f & HOLE)) {
+        self->flags[p] |= HOLE;
+        self->nholes++;
+        self->n--;
+    }
+}
+
+/* Page p became free: it joins the back of the list (nothing if it was free). */
+static void push(SlotMap *self, long long p) {
+    if (p < 0 || p >= self->npages)
+        return;
+    unsigned char f = self->flags[p];
+    if ((f & FREED) || (p >= self->fresh && !(f & HOLE)))
+        return;
+    if (f & HOLE) {
+        self->flags[p] &= (unsigned char)~HOLE;
+        self->nholes--;
+    }
+    self->flags[p] |= FREED;
+    self->prev[p] = (uint32_t)self->tail;
+    self->next[p] = 0;
+    if (self->tail)
+        self->next[self->tail - 1] = (uint32_t)(p + 1);
+    else
+        self->head = p + 1;
+    self->tail = p + 1;
+    self->n++;
+}
+
+/* ------------------------------------------------------------------ runs */
+typedef struct {
+    long long start, length;
+    PyObject *start_obj, *length_obj; /* borrowed, for reports of runs out of C range */
+    int wide;                         /* start or length beyond long long */
+} Run;
+
+static int read_run(PyObject *item, Run *r) {
+    PyObject *s, *l;
+    if (PyTuple_CheckExact(item) && PyTuple_GET_SIZE(item) == 2) {
+        s = PyTuple_GET_ITEM(item, 0);
+        l = PyTuple_GET_ITEM(item, 1);
+    } else if (PyList_CheckExact(item) && PyList_GET_SIZE(item) == 2) {
+        s = PyList_GET_ITEM(item, 0);
+        l = PyList_GET_ITEM(item, 1);
+    } else {
+        PyErr_Format(PyExc_TypeError, "a run is a (start, length) pair, got %R", item);
+        return -1;
+    }
+    int o1 = 0, o2 = 0;
+    r->start = PyLong_AsLongLongAndOverflow(s, &o1);
+    if (r->start == -1 && PyErr_Occurred())
+        return -1;
+    r->length = PyLong_AsLongLongAndOverflow(l, &o2);
+    if (r->length == -1 && PyErr_Occurred())
+        return -1;
+    r->start_obj = s;
+    r->length_obj = l;
+    r->wide = o1 || o2;
+    if (o2)
+        r->length = o2 > 0 ? LLONG_MAX : LLONG_MIN;
+    return 0;
+}
+
+static int in_range(SlotMap *self, Run *r) {
+    return !r->wide && r->start >= 0 && r->length > 0 && r->length <= self->capacity - r->start;
+}
+
+/* A few slots of a run that lies (partly) outside the table: start + i for i < max(1, min(length, 8)). */
+static int report_invalid(PyObject *bad, Run *r) {
+    long long k = r->length < 1 ? 1 : (r->length > 8 ? 8 : r->length);
+    for (long long i = 0; i < k; i++) {
+        PyObject *v;
+        if (r->wide || r->start > LLONG_MAX - 8) {
+            PyObject *off = PyLong_FromLongLong(i);
+            v = off ? PyNumber_Add(r->start_obj, off) : NULL;
+            Py_XDECREF(off);
+        } else {
+            v = PyLong_FromLongLong(r->start + i);
+        }
+        if (!v || PyList_Append(bad, v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return 0;
+}
+
+static int append_slot(PyObject *bad, long long s) {
+    PyObject *v = PyLong_FromLongLong(s);
+    if (!v || PyList_Append(bad, v) < 0) {
+        Py_XDECREF(v);
+        return -1;
+    }
+    Py_DECREF(v);
+    return 0;
+}
+
+typedef int (*run_fn)(SlotMap *, Run *, PyObject *);
+
+static PyObject *each_run(SlotMap *self, PyObject *runs, run_fn fn) {
+    if (!ready(self))
+        return NULL;
+    PyObject *seq = PySequence_Fast(runs, "runs must be a sequence of (start, length) pairs");
+    if (!seq)
+        return NULL;
+    PyObject *bad = PyList_New(0);
+    if (!bad) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Run r;
+        if (read_run(items[i], &r) < 0 || fn(self, &r, bad) < 0) {
+            Py_DECREF(bad);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return bad;
+}
+
+static int alloc_run(SlotMap *self, Run *r, PyObject *bad) {
+    if (!in_range(self, r))
+        return report_invalid(bad, r);
+    long long start = r->start, end = r->start + r->length, ps = self->page_size;
+    unsigned char *a = self->alloc;
+    int track = self->track;
+    if (!memchr(a + start, 1, (size_t)r->length)) { /* the normal case: every slot was free */
+        memset(a + start, 1, (size_t)r->length);
+        self->used += r->length;
+        if (!track)
+            return 0;
+        if (ps == 1) {
+            for (long long p = start; p < end; p++)
+                take(self, p);
+        } else if (start % ps == 0 && r->length % ps == 0) { /* whole pages */
+            for (long long p = start / ps; p < end / ps; p++) {
+                self->page_used[p] = (uint32_t)ps;
+                take(self, p);
+            }
+        } else {
+            for (long long s = start; s < end; s++) {
+                long long p = s / ps;
+                if (p < self->npages)
+                    self->page_used[p]++;
+                take(self, p);
+            }
+        }
+        return 0;
+    }
+    for (long long s = start; s < end; s++) { /* some slots already allocated: slot by slot */
+        if (a[s]) {
+            if (append_slot(bad, s) < 0)
+                return -1;
+            continue;
+        }
+        a[s] = 1;
+        self->used++;
+        if (!track)
+            continue;
+        long long p = s / ps;
+        if (ps > 1 && p < self->npages)
+            self->page_used[p]++;
+        take(self, p);
+    }
+    return 0;
+}
+
+static void free_slot_page(SlotMap *self, long long s) {
+    long long ps = self->page_size;
+    if (ps == 1) {
+        push(self, s);
+        return;
+    }
+    long long p = s / ps;
+    if (p < self->npages && self->page_used[p] && --self->page_used[p] == 0)
+        push(self, p);
+}
+
+static int free_run(SlotMap *self, Run *r, PyObject *bad) {
+    if (!in_range(self, r))
+        return report_invalid(bad, r);
+    long long start = r->start, end = r->start + r->length, ps = self->page_size;
+    unsigned char *a = self->alloc;
+    int track = self->track;
+    if (!memchr(a + start, 0, (size_t)r->length)) { /* the normal case: every slot was allocated */
+        memset(a + start, 0, (size_t)r->length);
+        self->used -= r->length;
+        if (!track)
+            return 0;
+        if (ps > 1 && start % ps == 0 && r->length % ps == 0) { /* whole pages */
+            for (long long p = start / ps; p < end / ps; p++) {
+                self->page_used[p] = 0;
+                push(self, p);
+            }
+            return 0;
+        }
+        for (long long s = start; s < end; s++)
+            free_slot_page(self, s);
+        return 0;
+    }
+    for (long long s = start; s < end; s++) {
+        if (!a[s]) {
+            if (append_slot(bad, s) < 0)
+                return -1;
+            continue;
+        }
+        a[s] = 0;
+        self->used--;
+        if (track)
+            free_slot_page(self, s);
+    }
+    return 0;
+}
+
+static int check_run(SlotMap *self, Run *r, PyObject *bad) {
+    if (!in_range(self, r))
+        return report_invalid(bad, r);
+    const unsigned char *a = self->alloc;
+    if (!memchr(a + r->start, 0, (size_t)r->length))
+        return 0;
+    for (long long s = r->start; s < r->start + r->length; s++)
+        if (!a[s] && append_slot(bad, s) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *map_apply_alloc(SlotMap *self, PyObject *runs) { return each_run(self, runs, alloc_run); }
+static PyObject *map_apply_free(SlotMap *self, PyObject *runs) { return each_run(self, runs, free_run); }
+static PyObject *map_unallocated(SlotMap *self, PyObject *runs) { return each_run(self, runs, check_run); }
+
+static PyObject *map_is_allocated(SlotMap *self, PyObject *arg) {
+    if (!ready(self))
+        return NULL;
+    int overflow = 0;
+    long long s = PyLong_AsLongLongAndOverflow(arg, &overflow);
+    if (s == -1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(!overflow && s >= 0 && s < self->capacity && self->alloc[s]);
+}
+
+/* The first k pages of the free list, in the order the allocator takes them. */
+static PyObject *first_pages(SlotMap *self, long long k) {
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    long long got = 0;
+    for (long long p = self->fresh; got < k && p < self->npages; p++) {
+        if (self->flags[p] & HOLE)
+            continue;
+        if (append_slot(out, p) < 0)
+            goto fail;
+        got++;
+    }
+    for (long long q = self->head; got < k && q; q = self->next[q - 1]) {
+        if (append_slot(out, q - 1) < 0)
+            goto fail;
+        got++;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *map_peek(SlotMap *self, PyObject *arg) {
+    if (!ready(self))
+        return NULL;
+    if (!self->track) {
+        PyErr_SetString(PyExc_TypeError, "peek() needs a SlotMap that tracks pages");
+        return NULL;
+    }
+    long long k = PyLong_AsLongLong(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    if (k > self->n) {
+        PyErr_Format(PyExc_ValueError, "peek of %lld pages with %lld free", k, self->n);
+        return NULL;
+    }
+    return first_pages(self, k);
+}
+
+static PyObject *map_free_order(SlotMap *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ready(self))
+        return NULL;
+    return first_pages(self, self->track ? self->n : 0);
+}
+
+/* The allocated slots as ((start, length), ...). */
+static PyObject *map_allocated_runs(SlotMap *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ready(self))
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    const unsigned char *a = self->alloc;
+    long long cap = self->capacity, s = 0;
+    while (s < cap) {
+        const unsigned char *hit = memchr(a + s, 1, (size_t)(cap - s));
+        if (!hit)
+            break;
+        long long start = hit - a;
+        const unsigned char *gap = memchr(hit, 0, (size_t)(cap - start));
+        long long end = gap ? gap - a : cap;
+        PyObject *run = Py_BuildValue("(LL)", start, end - start);
+        if (!run || PyList_Append(out, run) < 0) {
+            Py_XDECREF(run);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(run);
+        s = end;
+    }
+    PyObject *t = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return t;
+}
+
+static PyObject *get_ll(long long v) { return PyLong_FromLongLong(v); }
+static PyObject *map_get_capacity(SlotMap *self, void *c) { return get_ll(self->capacity); }
+static PyObject *map_get_page_size(SlotMap *self, void *c) { return get_ll(self->page_size); }
+static PyObject *map_get_used(SlotMap *self, void *c) { return get_ll(self->used); }
+static PyObject *map_get_free_pages(SlotMap *self, void *c) { return get_ll(self->n); }
+static PyObject *map_get_available(SlotMap *self, void *c) { return get_ll(self->n * self->page_size); }
+
+static PyGetSetDef map_getset[] = {
+    {"capacity", (getter)map_get_capacity, NULL, "slots in the pool", NULL},
+    {"page_size", (getter)map_get_page_size, NULL, "slots per page", NULL},
+    {"used", (getter)map_get_used, NULL, "allocated slots", NULL},
+    {"free_pages", (getter)map_get_free_pages, NULL, "pages on the free list", NULL},
+    {"available", (getter)map_get_available, NULL, "free pages times the page size", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef map_methods[] = {
+    {"apply_alloc", (PyCFunction)map_apply_alloc, METH_O,
+     "Mark the slots of runs allocated; returns those that already were, or are out of range."},
+    {"apply_free", (PyCFunction)map_apply_free, METH_O,
+     "Mark the slots of runs free (a page whose slots are all free rejoins the back of the free list); "
+     "returns those that were not allocated, or are out of range."},
+    {"unallocated", (PyCFunction)map_unallocated, METH_O, "Slots among runs that are out of range or not allocated."},
+    {"is_allocated", (PyCFunction)map_is_allocated, METH_O, "Whether one slot is allocated."},
+    {"peek", (PyCFunction)map_peek, METH_O, "The pages the next allocation of n pages would take (FIFO order)."},
+    {"free_order", (PyCFunction)map_free_order, METH_NOARGS, "Every free page, in the order they are taken."},
+    {"allocated_runs", (PyCFunction)map_allocated_runs, METH_NOARGS, "The allocated slots as (start, length) runs."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject SlotMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.SlotMap",
+    .tp_basicsize = sizeof(SlotMap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "SlotMap(capacity, page_size=1, track_pages=True): see hicache_obs/_slots.c.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)map_init,
+    .tp_dealloc = (destructor)map_dealloc,
+    .tp_methods = map_methods,
+    .tp_getset = map_getset,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots", "Slot allocation maps and free-page lists.", -1,
+                                    NULL};
+
+PyMODINIT_FUNC PyInit__slots(void) {
+    if (PyType_Ready(&SlotMapType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&SlotMapType);
+    if (PyModule_AddObject(m, "SlotMap", (PyObject *)&SlotMapType) < 0) {
+        Py_DECREF(&SlotMapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
