@@ -16,6 +16,8 @@
  *
  * The lock is released on every path out. The header's keyword names are cached per
  * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
+ *
+ * gap_free_run(events) is the check a replay makes of every segment it reads (see below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,6 +43,7 @@ typedef struct {
 
 static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts_ns", "rank") */
 static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
+static PyObject *str_seq, *str_rank;
 static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_drain, *str_name;
 
 static int core_traverse(LogCore *self, visitproc visit, void *arg) {
@@ -333,16 +336,79 @@ static PyTypeObject LogCoreType = {
     .tp_members = core_members,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_logcore", "The event log's append path.", -1, NULL};
+/* gap_free_run(events): (rank, first seq) when the list's events are one rank's seqs
+ * first, first + 1, ... in order; None otherwise (or when the list is empty). What a
+ * replay checks of every segment it reads, without a Python loop. */
+static PyObject *gap_free_run(PyObject *Py_UNUSED(mod), PyObject *events) {
+    if (!PyList_Check(events)) {
+        PyErr_Format(PyExc_TypeError, "gap_free_run() takes a list of events, got %.100s", Py_TYPE(events)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(events);
+    if (n == 0)
+        Py_RETURN_NONE;
+    PyObject *rank0 = NULL, *first_obj = NULL, *out = NULL;
+    long long first = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i);
+        Py_INCREF(ev);
+        PyObject *seq = PyObject_GetAttr(ev, str_seq);
+        PyObject *rank = seq ? PyObject_GetAttr(ev, str_rank) : NULL;
+        Py_DECREF(ev);
+        if (!rank) {
+            Py_XDECREF(seq);
+            goto done;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(seq, &overflow);
+        int same = 0;
+        if (!(v == -1 && PyErr_Occurred()) && !overflow) {
+            if (i == 0) {
+                first = v;
+                rank0 = rank;
+                first_obj = seq;
+                Py_INCREF(rank0);
+                Py_INCREF(first_obj);
+                same = 1;
+            } else {
+                same = v == first + i ? (rank == rank0 ? 1 : PyObject_RichCompareBool(rank, rank0, Py_EQ)) : 0;
+            }
+        }
+        Py_DECREF(seq);
+        Py_DECREF(rank);
+        if (same < 0 || PyErr_Occurred())
+            goto done;
+        if (!same) {
+            out = Py_None;
+            Py_INCREF(out);
+            goto done;
+        }
+    }
+    out = PyTuple_Pack(2, rank0, first_obj);
+done:
+    Py_XDECREF(rank0);
+    Py_XDECREF(first_obj);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"gap_free_run", gap_free_run, METH_O,
+     "gap_free_run(events, /)\n--\n\n(rank, first seq) when the events are one rank's gap-free run of seqs in "
+     "order; None otherwise."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_logcore", "The event log's append path; the seq check of a replay.", -1,
+                                    module_methods};
 
 PyMODINIT_FUNC PyInit__logcore(void) {
     names_cache = PyDict_New();
     PyObject *seq = PyUnicode_InternFromString("seq"), *ts = PyUnicode_InternFromString("ts_ns"),
              *rank = PyUnicode_InternFromString("rank");
     header_names = seq && ts && rank ? PyTuple_Pack(3, seq, ts, rank) : NULL; /* interned, as kwnames are */
-    Py_XDECREF(seq);
+    str_seq = seq;
+    str_rank = rank;
     Py_XDECREF(ts);
-    Py_XDECREF(rank);
     str_append = PyUnicode_InternFromString("append");
     str_acquire = PyUnicode_InternFromString("acquire");
     str_release = PyUnicode_InternFromString("release");

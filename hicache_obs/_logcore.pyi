@@ -1,4 +1,5 @@
 # The event log's append path (hicache_obs/_logcore.c); EventLog subclasses LogCore.
+# gap_free_run is the seq check a replay makes of every segment.
 from typing import Any, TypeVar
 
 _E = TypeVar("_E")
@@ -12,3 +13,5 @@ class LogCore:
     def _bind(
         self, *, ring: list[Any], events: Any, subscribers: list[Any], blocking: list[Any], pending: Any, lock: Any
     ) -> None: ...
+
+def gap_free_run(events: list[Any], /) -> tuple[int, int] | None: ...

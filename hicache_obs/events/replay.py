@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from .._logcore import gap_free_run
 from ..errors import LogFormatError, SequenceError
 from .schema import AnyEvent, Event
 from .state import CacheState
@@ -83,51 +84,58 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
 _CHUNK = 8 << 20
 
 
-def _blocks(fh: Any) -> Iterator[tuple[str, int, bytes]]:
-    """Yield runs of complete lines: ``("lines", first line number, bytes)``, or
-    ``("overlong", line number, b"")`` / ``("torn", line number, b"")``.
+def _blocks(fh: Any) -> Iterator[tuple[str, int, Any, int]]:
+    """Yield runs of complete lines: ``("lines", first line number, buffer, line count)``,
+    or ``("overlong", line number, b"", 1)`` / ``("torn", line number, b"", 0)``.
 
     Reads in chunks and never holds more than one chunk plus ``MAX_LINE_BYTES``; no line
-    in a ``lines`` block is longer than ``MAX_LINE_BYTES`` (the chunk is smaller).
+    in a ``lines`` block is longer than ``MAX_LINE_BYTES``. The lines inside a chunk are
+    handed on as a view of it, uncopied; only a line that spans chunks is joined.
     """
-    buf = b""
     lineno = 0
+    tail = b""  # the start of a line that continues in the next chunk
     skipping = False  # inside an overlong line: discard until its newline
     while True:
         chunk = fh.read(_CHUNK)
         if not chunk:
             break
+        start = 0
         if skipping:
             nl = chunk.find(b"\n")
             if nl == -1:
                 continue
             lineno += 1
-            yield "overlong", lineno, b""
+            yield "overlong", lineno, b"", 1
             skipping = False
-            chunk = chunk[nl + 1 :]
-        buf = buf + chunk if buf else chunk
-        cut = buf.rfind(b"\n")
+            start = nl + 1
+        if tail:  # the line that spans chunks ends here, or goes on
+            nl = chunk.find(b"\n", start)
+            if nl == -1:
+                tail += chunk[start:]
+                if len(tail) > MAX_LINE_BYTES:
+                    tail = b""
+                    skipping = True
+                continue
+            lineno += 1
+            if len(tail) + nl - start > MAX_LINE_BYTES:
+                yield "overlong", lineno, b"", 1
+            else:
+                yield "lines", lineno, tail + chunk[start : nl + 1], 1
+            tail = b""
+            start = nl + 1
+        cut = chunk.rfind(b"\n", start)
         if cut == -1:
-            if len(buf) > MAX_LINE_BYTES:
-                buf = b""
+            tail = chunk[start:]
+            if len(tail) > MAX_LINE_BYTES:
+                tail = b""
                 skipping = True
             continue
-        block, buf = buf[: cut + 1], buf[cut + 1 :]
-        first = block.find(b"\n")
-        if first > MAX_LINE_BYTES:  # only the first line can be longer than a chunk
-            lineno += 1
-            yield "overlong", lineno, b""
-            block = block[first + 1 :]
-        if block:
-            yield "lines", lineno + 1, block
-            lineno += block.count(b"\n")
-        if len(buf) > MAX_LINE_BYTES:
-            buf = b""
-            skipping = True
-    if skipping:
-        yield "torn", lineno + 1, b""
-    elif buf:
-        yield "torn", lineno + 1, b""
+        n = chunk.count(b"\n", start, cut + 1)
+        yield "lines", lineno + 1, memoryview(chunk)[start : cut + 1], n
+        lineno += n
+        tail = chunk[cut + 1 :]
+    if skipping or tail:
+        yield "torn", lineno + 1, b"", 0
 
 
 def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | None]:
@@ -144,28 +152,28 @@ def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | Non
         raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
     with fh:
         try:
-            for kind, i, block in _blocks(fh):
+            for kind, i, block, n in _blocks(fh):
                 if kind == "torn":
                     return events, TornLine(name, i)
                 if kind == "overlong":
                     raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
-                _decode_block(name, i, block, events)
+                _decode_block(name, i, block, n, events)
         except OSError as exc:
             raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
     return events, None
 
 
-def _decode_block(name: str, first: int, block: bytes, out: list[Event]) -> None:
-    """Decode complete lines at C speed; on any doubt, line by line for the exact error."""
+def _decode_block(name: str, first: int, block: Any, n_lines: int, out: list[Event]) -> None:
+    """Decode ``n_lines`` complete lines at C speed; on any doubt, line by line for the exact error."""
     try:
         decoded = _decoder.decode_lines(block)
-        if len(decoded) == block.count(b"\n"):  # no blank line was skipped
+        if len(decoded) == n_lines:  # no blank line was skipped
             out.extend(decoded)
             return
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         pass
     decode = _decoder.decode
-    for k, line in enumerate(block.split(b"\n")[:-1]):
+    for k, line in enumerate(bytes(block).split(b"\n")[:-1]):
         i = first + k
         if not line.strip():
             raise LogFormatError(f"{name}:{i}: empty line", file=name, line=i)
@@ -216,12 +224,12 @@ def _in_order(read: list[tuple[str, list[Event]]]) -> dict[int, list[Event]] | N
     first gap or duplicate)."""
     by_rank: dict[int, list[Event]] = {}
     for _, evs in read:
-        if not evs:
-            continue
-        rank, first = evs[0].rank, evs[0].seq
-        seqs = [ev.seq for ev in evs]
-        if seqs != list(range(first, first + len(evs))) or any(ev.rank != rank for ev in evs):
+        run = gap_free_run(evs)
+        if run is None:
+            if not evs:
+                continue
             return None
+        rank, first = run
         have = by_rank.setdefault(rank, [])
         if len(have) != first:  # every rank starts at seq 0 and has no gap between segments
             return None
