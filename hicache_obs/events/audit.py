@@ -47,6 +47,7 @@ from .state import _HANDLERS as _STATE_HANDLERS
 from .state import AllocMap, CacheState
 
 _NO_PLAN = (None, None)
+_fold_slots_freed = CacheState._slots_freed
 
 __all__ = ["RULES", "Finding", "Auditor", "audit"]
 
@@ -82,7 +83,7 @@ class Finding:
         return (self.rule, self.pool, self.role, self.op, self.rank, self.stream, self.direction)
 
 
-@dataclass
+@dataclass(slots=True)
 class _InFlight:
     direction: str
     stream: str
@@ -96,6 +97,9 @@ class _InFlight:
 
 
 def _spans(runs: Runs) -> tuple[list[int], list[int]]:
+    if len(runs) == 1:  # the usual index tensor: one contiguous run
+        s, n = runs[0]
+        return ([s], [s + n]) if n > 0 else ([], [])
     ordered = sorted(r for r in runs if r[1] > 0)
     return [s for s, _ in ordered], list(accumulate((s + n for s, n in ordered), max))
 
@@ -276,16 +280,19 @@ class Auditor:
     def _fold_freed(self, ev: SlotsFreed, r: _RankAudit) -> None:
         if r.inflight:
             self._check_in_flight_free(ev, r)
-        bad = r.state.apply_freed(ev)  # type: ignore[union-attr]
+        bad = _fold_slots_freed(r.state, ev)  # type: ignore[arg-type]  # fold mode; last_seq set by feed
         if bad:
             self._report_free(ev, bad, r.tables[(ev.pool, ev.tier)])
 
     def _check_in_flight_free(self, ev: SlotsFreed, r: _RankAudit) -> None:
         """Slots freed while a submitted transfer still uses them: a use after free."""
-        if not r.inflight:
-            return
         key = (ev.pool, ev.tier)
-        if not any(_overlaps(f.spans[key], ev.indices) for f in r.inflight.values() if key in f.spans):
+        freeing = ev.indices
+        for f in r.inflight.values():
+            spans = f.spans.get(key)
+            if spans is not None and _overlaps(spans, freeing):
+                break
+        else:
             return  # the usual case, told by bisection; the exact check below names the slots
         freed: set[int] | None = None
         for op, f in r.inflight.items():
@@ -333,12 +340,17 @@ class Auditor:
 
     def _submitted(self, ev: TransferSubmitted, r: _RankAudit) -> None:
         device = ev.device or next((t.device for t in ev.tensors if t.device != "cpu"), "cpu")
+        kernel_on_device = ev.io_backend == "kernel" and device != "cpu"
         needs: dict[tuple[str, str], str] = {}
         used: dict[tuple[str, str], Runs] = {}
         by_pool: dict[str, dict[str, int]] = {}
         for t in ev.tensors:
-            by_pool.setdefault(t.pool, {})[t.role] = t.numel
-            if ev.io_backend == "kernel" and device != "cpu" and t.device != device:
+            roles = by_pool.get(t.pool)
+            if roles is None:
+                by_pool[t.pool] = {t.role: t.numel}
+            else:
+                roles[t.role] = t.numel
+            if kernel_on_device and t.device != device:
                 self._report(
                     "index_not_on_device",
                     t.pool,
