@@ -17,9 +17,13 @@
  * in the state asked for are reported and skipped, the others applied.
  *
  * The page arrays are calloc'd: pages never used cost no memory the OS has to back.
+ *
+ * runs_of / pair_runs_of run-length encode index values (lists, or numpy views of index
+ * tensors, read in place) into the runs events and copies carry.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -391,7 +395,7 @@ static PyObject *first_pages(SlotMap *self, long long k) {
         return NULL;
     long long got = 0;
     for (long long p = self->fresh; got < k && p < self->npages; p++) {
-        if (self->flags[p] & HOLE)
+        if (self->flags[p] & (HOLE | FREED)) /* taken out of order, or freed after that: listed below */
             continue;
         if (append_slot(out, p) < 0)
             goto fail;
@@ -461,6 +465,193 @@ static PyObject *map_allocated_runs(SlotMap *self, PyObject *Py_UNUSED(ignored))
     return t;
 }
 
+/* ------------------------------------------------------- run-length encoding */
+/* The values of a list/tuple of ints, or of a 1-D integer buffer (a numpy view of an
+ * index tensor), read one at a time without building Python ints for the buffer. */
+typedef struct {
+    PyObject *seq; /* PySequence_Fast result, or NULL for a buffer */
+    Py_buffer view;
+    int has_view;
+    char kind; /* buffer: 'i' signed, 'u' unsigned */
+    Py_ssize_t n;
+} Values;
+
+static int values_open(Values *v, PyObject *obj, const char *what) {
+    memset(v, 0, sizeof(*v));
+    if (PyObject_CheckBuffer(obj) && !PyBytes_Check(obj) && !PyByteArray_Check(obj)) {
+        if (PyObject_GetBuffer(obj, &v->view, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+            return -1;
+        v->has_view = 1;
+        const char *f = v->view.format ? v->view.format : "B";
+        if (*f == '@' || *f == '=')
+            f++;
+        int ok = f[0] && !f[1] && v->view.ndim <= 1;
+        if (ok && strchr("bhilq", f[0]))
+            v->kind = 'i';
+        else if (ok && strchr("BHILQ", f[0]))
+            v->kind = 'u';
+        else {
+            PyErr_Format(PyExc_TypeError, "%s: a 1-D buffer of integers is needed, got format %s with %d dimensions",
+                         what, v->view.format ? v->view.format : "B", v->view.ndim);
+            PyBuffer_Release(&v->view);
+            v->has_view = 0;
+            return -1;
+        }
+        v->n = v->view.ndim == 0 ? 1 : v->view.shape[0];
+        return 0;
+    }
+    v->seq = PySequence_Fast(obj, "a sequence of ints or a 1-D integer buffer is needed");
+    if (!v->seq)
+        return -1;
+    v->n = PySequence_Fast_GET_SIZE(v->seq);
+    return 0;
+}
+
+static void values_close(Values *v) {
+    Py_XDECREF(v->seq);
+    if (v->has_view)
+        PyBuffer_Release(&v->view);
+}
+
+static int values_get(Values *v, Py_ssize_t i, long long *out) {
+    if (v->seq) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(PySequence_Fast_ITEMS(v->seq)[i], &overflow);
+        if (x == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow) {
+            PyErr_SetString(PyExc_OverflowError, "an index value does not fit in 64 bits");
+            return -1;
+        }
+        *out = x;
+        return 0;
+    }
+    const char *p = (const char *)v->view.buf + (v->view.ndim ? i * v->view.strides[0] : 0);
+    Py_ssize_t size = v->view.itemsize;
+    if (v->kind == 'i') {
+        switch (size) {
+        case 1: *out = *(const int8_t *)p; return 0;
+        case 2: *out = *(const int16_t *)p; return 0;
+        case 4: *out = *(const int32_t *)p; return 0;
+        case 8: *out = *(const int64_t *)p; return 0;
+        }
+    } else {
+        switch (size) {
+        case 1: *out = *(const uint8_t *)p; return 0;
+        case 2: *out = *(const uint16_t *)p; return 0;
+        case 4: *out = *(const uint32_t *)p; return 0;
+        case 8: {
+            uint64_t u = *(const uint64_t *)p;
+            if (u > (uint64_t)LLONG_MAX) {
+                PyErr_SetString(PyExc_OverflowError, "an index value does not fit in 64 bits");
+                return -1;
+            }
+            *out = (long long)u;
+            return 0;
+        }
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "integers of %zd bytes are not supported", size);
+    return -1;
+}
+
+static int follows(long long prev, long long v) { return prev != LLONG_MAX && v == prev + 1; }
+
+static int append_tuple(PyObject *out, PyObject *t) {
+    if (!t)
+        return -1;
+    int r = PyList_Append(out, t);
+    Py_DECREF(t);
+    return r;
+}
+
+static PyObject *list_to_tuple(PyObject *out) {
+    if (!out)
+        return NULL;
+    PyObject *t = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return t;
+}
+
+/* runs_of(values): ((start, length), ...) of consecutive values: [3, 4, 5, 9] -> ((3, 3), (9, 1)). */
+static PyObject *runs_of(PyObject *Py_UNUSED(mod), PyObject *obj) {
+    Values v;
+    if (values_open(&v, obj, "runs_of") < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    long long start = 0, prev = 0, x;
+    for (Py_ssize_t i = 0; out && i < v.n; i++) {
+        if (values_get(&v, i, &x) < 0)
+            goto fail;
+        if (i && follows(prev, x)) {
+            prev = x;
+            continue;
+        }
+        if (i && append_tuple(out, Py_BuildValue("(LL)", start, prev - start + 1)) < 0)
+            goto fail;
+        start = prev = x;
+    }
+    if (out && v.n && append_tuple(out, Py_BuildValue("(LL)", start, prev - start + 1)) < 0)
+        goto fail;
+    values_close(&v);
+    return list_to_tuple(out);
+fail:
+    Py_XDECREF(out);
+    values_close(&v);
+    return NULL;
+}
+
+/* pair_runs_of(host, device): ((host_start, device_start, length), ...) of pairs consecutive
+ * on both sides; as zip(), the longer side's extra values are not read. */
+static PyObject *pair_runs_of(PyObject *Py_UNUSED(mod), PyObject *args) {
+    PyObject *ho, *dobj;
+    if (!PyArg_ParseTuple(args, "OO:pair_runs_of", &ho, &dobj))
+        return NULL;
+    Values h, d;
+    if (values_open(&h, ho, "pair_runs_of host") < 0)
+        return NULL;
+    if (values_open(&d, dobj, "pair_runs_of device") < 0) {
+        values_close(&h);
+        return NULL;
+    }
+    Py_ssize_t n = h.n < d.n ? h.n : d.n;
+    PyObject *out = PyList_New(0);
+    long long h0 = 0, d0 = 0, len = 0, hx, dx;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        if (values_get(&h, i, &hx) < 0 || values_get(&d, i, &dx) < 0)
+            goto fail;
+        if (i && follows(h0 + len - 1, hx) && follows(d0 + len - 1, dx)) {
+            len++;
+            continue;
+        }
+        if (i && append_tuple(out, Py_BuildValue("(LLL)", h0, d0, len)) < 0)
+            goto fail;
+        h0 = hx;
+        d0 = dx;
+        len = 1;
+    }
+    if (out && n && append_tuple(out, Py_BuildValue("(LLL)", h0, d0, len)) < 0)
+        goto fail;
+    values_close(&h);
+    values_close(&d);
+    return list_to_tuple(out);
+fail:
+    Py_XDECREF(out);
+    values_close(&h);
+    values_close(&d);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"runs_of", runs_of, METH_O,
+     "runs_of(values, /)\n--\n\n((start, length), ...) of consecutive values, from a sequence of ints or a 1-D "
+     "integer buffer."},
+    {"pair_runs_of", pair_runs_of, METH_VARARGS,
+     "pair_runs_of(host, device, /)\n--\n\n((host_start, device_start, length), ...) of index pairs consecutive on "
+     "both sides; as zip(), up to the shorter side."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyObject *get_ll(long long v) { return PyLong_FromLongLong(v); }
 static PyObject *map_get_capacity(SlotMap *self, void *c) { return get_ll(self->capacity); }
 static PyObject *map_get_page_size(SlotMap *self, void *c) { return get_ll(self->page_size); }
@@ -503,8 +694,9 @@ static PyTypeObject SlotMapType = {
     .tp_getset = map_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots", "Slot allocation maps and free-page lists.", -1,
-                                    NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
+                                    "Slot allocation maps, free-page lists and run-length encoding of slot indices.",
+                                    -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {
     if (PyType_Ready(&SlotMapType) < 0)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._slots import runs_of
 from ..errors import (
     ConfigError,
     ControllerClosedError,
@@ -47,7 +48,6 @@ from ..events.schema import (
     StreamRecorded,
     TensorRef,
     TransferSubmitted,
-    runs_from_list,
 )
 from ..events.state import CacheState
 from .layers import LayerDoneCounter
@@ -292,14 +292,13 @@ class HiCacheController:
         return a
 
     def _ref(
-        self, t: torch.Tensor, pool: str, role: str, known: list[int] | None = None, runs: Any = None
+        self, t: torch.Tensor, pool: str, role: str, runs: Any = None
     ) -> TensorRef:
+        """Describe ``t``; ``runs`` are its values when known (``()``: none to report), else
+        they are read when ``t`` is on the CPU (in place, through a numpy view)."""
         dev = self.runtime.tensor_device(t)
-        if runs is None:
-            values = known
-            if values is None and dev == "cpu":
-                values = t.tolist()
-            runs = runs_from_list(values) if values else None
+        if runs is None and dev == "cpu":
+            runs = runs_of(t.detach().numpy())
         # metadata only: skip a tensor subclass's __torch_function__ (the sim runtime's
         # costs ~6 us a call, and a description reads four attributes)
         with _PLAIN_TENSOR_CALLS():
@@ -322,8 +321,8 @@ class HiCacheController:
         refs = []
         for pool, h, d, pr in pairs:
             if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
-                refs.append(self._ref(h, pool, "host", []))
-                refs.append(self._ref(d, pool, "device", []))
+                refs.append(self._ref(h, pool, "host", ()))
+                refs.append(self._ref(d, pool, "device", ()))
             elif pr is not None:
                 refs.append(self._ref(h, pool, "host", runs=_side_runs(pr, 0)))
                 refs.append(self._ref(d, pool, "device", runs=_side_runs(pr, 1)))
@@ -698,7 +697,7 @@ class HiCacheController:
             )
         if self.io_backend == "kernel":
             if rt.has_device and not rt.is_device(host_indices):
-                known = host_indices.tolist() if self._detail else None
+                known = runs_of(host_indices.detach().numpy()) if self._detail else None
                 moved = rt.to_device(host_indices, non_blocking=True)
                 self._moved(op, pool, "host", host_indices, moved, known)
                 host_indices = moved
@@ -718,8 +717,9 @@ class HiCacheController:
         raise UnknownBackendError(f"unknown io backend {self.io_backend!r}")
 
     def _moved(
-        self, op: int, pool: str, role: str, src: torch.Tensor, dst: torch.Tensor, known: list[int] | None
+        self, op: int, pool: str, role: str, src: torch.Tensor, dst: torch.Tensor, known: Any
     ) -> None:
+        """``known``: the runs of the values moved, read before the move (``None``: unknown)."""
         if not self._detail:
             return
         self._emit(

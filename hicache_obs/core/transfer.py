@@ -13,9 +13,9 @@ from array import array
 from itertools import chain
 from typing import Any
 
-import numpy as np
 import torch
 
+from .._slots import pair_runs_of
 from ..errors import IndexNotOnDeviceError, InvalidIndicesError, LengthMismatchError
 from .pools import DevicePool, HostPool
 from .runtime import Runtime
@@ -51,32 +51,16 @@ def check_kernel_indices(runtime: Runtime, pool: str, host: torch.Tensor, device
         )
 
 
-def pair_runs(host: list[int], device: list[int]) -> Runs3:
-    """Group index pairs into runs ``(host_start, device_start, length)`` consecutive on both sides."""
-    if not host:
-        return ()
-    out: list[tuple[int, int, int]] = []
-    h0, d0, n = host[0], device[0], 1
-    for h, d in zip(host[1:], device[1:]):
-        if h == h0 + n and d == d0 + n:
-            n += 1
-            continue
-        out.append((h0, d0, n))
-        h0, d0, n = h, d, 1
-    out.append((h0, d0, n))
-    return tuple(out)
+def pair_runs(host: Any, device: Any) -> Runs3:
+    """Group index pairs into runs ``(host_start, device_start, length)`` consecutive on both
+    sides (as ``zip``, up to the shorter side). Lists of ints or 1-D integer buffers;
+    compiled: ``hicache_obs._slots.pair_runs_of``."""
+    return pair_runs_of(host, device)  # type: ignore[return-value]
 
 
 def tensor_pair_runs(host: torch.Tensor, device: torch.Tensor) -> Runs3:
-    """:func:`pair_runs` of two CPU index tensors; long ones are read as numpy views
-    (no Python list of their values: about 5x faster at 2,048 pairs)."""
-    if host.numel() <= 64:
-        return pair_runs(host.tolist(), device.tolist())
-    h = host.detach().numpy()
-    d = device.detach().numpy()
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(h) != 1) | (np.diff(d) != 1)) + 1))
-    lengths = np.diff(np.concatenate((starts, [h.size])))
-    return tuple(zip(h[starts].tolist(), d[starts].tolist(), lengths.tolist()))
+    """:func:`pair_runs` of two CPU index tensors, read in place through numpy views."""
+    return pair_runs_of(host.detach().numpy(), device.detach().numpy())  # type: ignore[return-value]
 
 
 # ------------------------------------------------------------------ kernels

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from .._slots import runs_of as _runs_of
+
 __all__ = [
     "Runs",
     "TensorRef",
@@ -219,33 +221,13 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 
-def runs_from_list(values: list[int]) -> Runs:
-    """Run-length encode a list of ints: ``[3,4,5,9]`` -> ``((3,3),(9,1))``."""
-    n = len(values)
-    if n == 0:
-        return ()
-    if n > 48:
-        return _runs_numpy(values)
-    out: list[tuple[int, int]] = []
-    start = prev = values[0]
-    for v in values[1:]:
-        if v == prev + 1:
-            prev = v
-            continue
-        out.append((start, prev - start + 1))
-        start = prev = v
-    out.append((start, prev - start + 1))
-    return tuple(out)
+def runs_from_list(values: Any) -> Runs:
+    """Run-length encode ints: ``[3,4,5,9]`` -> ``((3,3),(9,1))``.
 
-
-def _runs_numpy(values: Any) -> Runs:
-    import numpy as np
-
-    a = np.asarray(values, dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(a) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [a.size]))
-    return tuple(zip(a[starts].tolist(), (ends - starts).tolist()))
+    ``values``: a sequence of ints, or a 1-D integer buffer (a numpy view of an index
+    tensor, read in place). Compiled: ``hicache_obs._slots.runs_of``.
+    """
+    return _runs_of(values)
 
 
 def expand_runs(runs: Runs) -> list[int]:

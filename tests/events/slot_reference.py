@@ -1,5 +1,6 @@
 """The pure-Python slot tables the compiled ``hicache_obs._slots.SlotMap`` replaced,
-kept verbatim as the oracle its differential tests compare against."""
+kept as the oracle its differential tests compare against: verbatim but for one fix
+in ``_FreeList.first`` that the tests found (marked there)."""
 
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ class _FreeList:
         p = self.fresh
         holes = self.holes
         while len(out) < k and p < self.npages:
-            if p not in holes:
-                out.append(p)
+            if p not in holes and p not in self.freed:  # the one change: a page taken above
+                out.append(p)  # `fresh` and freed again was listed twice (here and in `freed`)
             p += 1
         if len(out) < k:
             for q in self.freed:

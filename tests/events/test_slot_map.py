@@ -1,16 +1,22 @@
 """The compiled slot maps (hicache_obs/_slots.c) against the pure-Python tables they
 replaced (tests/events/slot_reference.py): the same results, state and free order
-after any sequence of allocations, frees, checks and peeks, valid or not."""
+after any sequence of allocations, frees, checks and peeks, valid or not; and its
+run-length encoding of index values against a plain Python one."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import slot_reference as ref
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache_obs._slots import pair_runs_of, runs_of
+from hicache_obs.core.transfer import pair_runs, tensor_pair_runs
+from hicache_obs.events.schema import runs_from_list
 from hicache_obs.events.state import AllocMap, SlotTable
 
 
@@ -76,6 +82,18 @@ def test_alloc_map_matches_the_python_map(scenario: tuple[int, int, list[tuple[s
     assert got.allocated_runs() == ref.runs_from_list([i for i, v in enumerate(want._alloc) if v])
 
 
+def test_a_page_taken_out_of_order_and_freed_is_listed_once() -> None:
+    # what a replayed log from another allocator can do: take pages above the fresh ones
+    t = SlotTable("kv", "host", 11, 1)
+    assert t.apply_alloc(((0, 1), (2, 6))) == []
+    assert t.apply_free(((1, 4), (0, 1))) == [1]
+    order = t.free_order()
+    assert sorted(order) == [0, 1, 2, 3, 4, 8, 9, 10] and len(order) == t.available == 8
+    assert order == [1, 8, 9, 10, 2, 3, 4, 0]  # never-used pages first, then in the order freed
+    pages = t.peek(8)
+    assert t.apply_alloc(tuple((p, 1) for p in pages)) == [] and t.available == 0
+
+
 def test_page_sizes_above_255_and_runs_beyond_64_bits() -> None:
     t = SlotTable("kv", "host", 1024, 512)  # the Python table kept page counts in bytes
     assert t.apply_alloc(((0, 512),)) == [] and t.available == 512 and t.peek(1) == [1]
@@ -122,3 +140,68 @@ def test_untouched_pages_cost_no_memory() -> None:
     assert t.apply_alloc(((1 << 27, 4),)) == [] and t.peek(2) == [0, 1] and t.used == 4
     assert t.apply_free(((1 << 27, 4),)) == [] and t.used == 0 and t.available == 1 << 28
     assert _rss_bytes() - before < 64 << 20
+
+
+# ------------------------------------------------------ run-length encoding
+def _ref_runs(values: list[int]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for v in values:
+        if out and v == out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return tuple(out)
+
+
+def _ref_pair_runs(host: list[int], device: list[int]) -> tuple[tuple[int, int, int], ...]:
+    out: list[tuple[int, int, int]] = []
+    for h, d in zip(host, device):
+        if out and h == out[-1][0] + out[-1][2] and d == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((h, d, 1))
+    return tuple(out)
+
+
+_VALUES = st.lists(st.integers(-5, 40), max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=_VALUES, dtype=st.sampled_from(["int64", "int32", "int16", "int8"]), step=st.sampled_from([1, 2]))
+def test_runs_of_lists_and_buffers_of_every_integer_width(values: list[int], dtype: str, step: int) -> None:
+    want = _ref_runs(values)
+    assert runs_of(values) == runs_from_list(values) == want
+    assert runs_of(tuple(values)) == want
+    arr = np.repeat(np.asarray(values, dtype=dtype), step)[::step]  # a strided view when step is 2
+    assert runs_of(arr) == want
+    assert runs_of(torch.tensor(values, dtype=torch.int64).numpy()) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=_VALUES, device=_VALUES)
+def test_pair_runs_of_matches_zip_of_both_sides(host: list[int], device: list[int]) -> None:
+    want = _ref_pair_runs(host, device)
+    assert pair_runs_of(host, device) == pair_runs(host, device) == want
+    n = min(len(host), len(device))
+    h, d = torch.tensor(host[:n], dtype=torch.int64), torch.tensor(device[:n], dtype=torch.int64)
+    assert tensor_pair_runs(h, d) == want
+
+
+def test_run_encoding_at_the_edges_of_64_bits_and_bad_input() -> None:
+    top = (1 << 63) - 1
+    assert runs_of([top - 1, top, -(1 << 63)]) == ((top - 1, 2), (-(1 << 63), 1))
+    assert runs_of(np.array([top, top], dtype=np.int64)) == ((top, 1), (top, 1))  # no wrap-around
+    assert runs_of(np.array([1, 2], dtype=np.uint64)) == ((1, 2),)
+    with pytest.raises(OverflowError, match="does not fit in 64 bits"):
+        runs_of([1 << 64])
+    with pytest.raises(OverflowError, match="does not fit in 64 bits"):
+        runs_of(np.array([1 << 63], dtype=np.uint64))
+    with pytest.raises(TypeError, match="1-D buffer of integers is needed, got format d"):
+        runs_of(np.zeros(3))
+    with pytest.raises(TypeError, match="with 2 dimensions"):
+        runs_of(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(TypeError):
+        runs_of([1.5])
+    with pytest.raises(TypeError, match="a sequence of ints"):
+        runs_of(5)
+    assert runs_of([]) == () and pair_runs_of([], [1]) == ()
