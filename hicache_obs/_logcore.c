@@ -31,7 +31,7 @@ typedef struct {
     PyObject_HEAD
     long long seq;       /* the next seq to hand out */
     long long published; /* events stored in the ring; sink runners read seqs below it */
-    int dispatching;     /* subscribers are running (an emit from one is queued) */
+    char dispatching;    /* subscribers are running (an emit from one is queued); T_BOOL is a char */
     PyObject *rank;
     PyObject *ring;        /* list, its length a power of two */
     PyObject *events_append;
@@ -59,6 +59,7 @@ static int core_traverse(LogCore *self, visitproc visit, void *arg) {
 }
 
 static int core_clear(LogCore *self) {
+    Py_CLEAR(self->release); /* first: emit() refuses to run without it */
     Py_CLEAR(self->rank);
     Py_CLEAR(self->ring);
     Py_CLEAR(self->events_append);
@@ -66,7 +67,6 @@ static int core_clear(LogCore *self) {
     Py_CLEAR(self->blocking);
     Py_CLEAR(self->pending);
     Py_CLEAR(self->acquire);
-    Py_CLEAR(self->release);
     return 0;
 }
 
@@ -222,6 +222,15 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
         unlock(self);
         goto out;
     }
+    if (self->seq != seq) { /* the class emitted while it was built: two events would share a seq */
+        Py_CLEAR(ev);
+        PyErr_Format(PyExc_RuntimeError,
+                     "emit(): building the event took seq %lld for another event (the event class emitted one); "
+                     "this event is not appended",
+                     seq);
+        unlock(self);
+        goto out;
+    }
     self->seq = seq + 1;
     r = PyObject_CallOneArg(self->events_append, ev);
     if (!r)
@@ -242,7 +251,8 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
     Py_INCREF(ev);
     PyList_SET_ITEM(self->ring, slot, ev);
     Py_XDECREF(old);
-    self->published = seq + 1;
+    if (self->published < seq + 1) /* never backwards, whatever ran in between */
+        self->published = seq + 1;
 
     if (self->dispatching) {
         r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
@@ -371,7 +381,9 @@ static PyObject *gap_free_run(PyObject *Py_UNUSED(mod), PyObject *events) {
                 Py_INCREF(first_obj);
                 same = 1;
             } else {
-                same = v == first + i ? (rank == rank0 ? 1 : PyObject_RichCompareBool(rank, rank0, Py_EQ)) : 0;
+                same = v >= first && v - first == i
+                           ? (rank == rank0 ? 1 : PyObject_RichCompareBool(rank, rank0, Py_EQ))
+                           : 0;
             }
         }
         Py_DECREF(seq);

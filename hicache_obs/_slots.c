@@ -127,6 +127,16 @@ static void unlink_freed(SlotMap *self, long long p) {
     self->flags[p] &= (unsigned char)~FREED;
 }
 
+/* The page at `fresh` was allocated: move past it and past the holes above it. */
+static void advance_fresh(SlotMap *self) {
+    self->fresh++;
+    while (self->nholes && self->fresh < self->npages && (self->flags[self->fresh] & HOLE)) {
+        self->flags[self->fresh] &= (unsigned char)~HOLE;
+        self->nholes--;
+        self->fresh++;
+    }
+}
+
 /* Page p was allocated: it leaves the free list (nothing if it was not on it). */
 static void take(SlotMap *self, long long p) {
     if (p < 0 || p >= self->npages)
@@ -135,14 +145,15 @@ static void take(SlotMap *self, long long p) {
     if (f & FREED) {
         unlink_freed(self, p);
         self->n--;
+        if (p == self->fresh)
+            advance_fresh(self);
+        else if (p > self->fresh) { /* allocated above the fresh pages again: a hole once more */
+            self->flags[p] |= HOLE;
+            self->nholes++;
+        }
     } else if (p == self->fresh) {
         self->n--;
-        self->fresh++;
-        while (self->nholes && self->fresh < self->npages && (self->flags[self->fresh] & HOLE)) {
-            self->flags[self->fresh] &= (unsigned char)~HOLE;
-            self->nholes--;
-            self->fresh++;
-        }
+        advance_fresh(self);
     } else if (p > self->fresh && !(f & HOLE)) {
         self->flags[p] |= HOLE;
         self->nholes++;
@@ -175,31 +186,39 @@ static void push(SlotMap *self, long long p) {
 /* ------------------------------------------------------------------ runs */
 typedef struct {
     long long start, length;
-    PyObject *start_obj, *length_obj; /* borrowed, for reports of runs out of C range */
-    int wide;                         /* start or length beyond long long */
+    PyObject *start_obj; /* owned (an int), for reports of runs beyond 64 bits */
+    int wide;            /* start or length beyond long long */
 } Run;
 
+/* Read one (start, length) pair. The values are turned into ints first (which may run
+ * Python code: __index__), holding references, so nothing borrowed can go away. */
 static int read_run(PyObject *item, Run *r) {
-    PyObject *s, *l;
-    if (PyTuple_CheckExact(item) && PyTuple_GET_SIZE(item) == 2) {
-        s = PyTuple_GET_ITEM(item, 0);
-        l = PyTuple_GET_ITEM(item, 1);
-    } else if (PyList_CheckExact(item) && PyList_GET_SIZE(item) == 2) {
-        s = PyList_GET_ITEM(item, 0);
-        l = PyList_GET_ITEM(item, 1);
-    } else {
+    r->start_obj = NULL;
+    PyObject *pair = PySequence_Tuple(item);
+    if (!pair) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "a run is a (start, length) pair, got %R", item);
+        }
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(pair) != 2) {
         PyErr_Format(PyExc_TypeError, "a run is a (start, length) pair, got %R", item);
+        Py_DECREF(pair);
+        return -1;
+    }
+    PyObject *s = PyNumber_Index(PyTuple_GET_ITEM(pair, 0));
+    PyObject *l = s ? PyNumber_Index(PyTuple_GET_ITEM(pair, 1)) : NULL;
+    Py_DECREF(pair);
+    if (!l) {
+        Py_XDECREF(s);
         return -1;
     }
     int o1 = 0, o2 = 0;
     r->start = PyLong_AsLongLongAndOverflow(s, &o1);
-    if (r->start == -1 && PyErr_Occurred())
-        return -1;
     r->length = PyLong_AsLongLongAndOverflow(l, &o2);
-    if (r->length == -1 && PyErr_Occurred())
-        return -1;
+    Py_DECREF(l);
     r->start_obj = s;
-    r->length_obj = l;
     r->wide = o1 || o2;
     if (o2)
         r->length = o2 > 0 ? LLONG_MAX : LLONG_MIN;
@@ -246,19 +265,28 @@ typedef int (*run_fn)(SlotMap *, Run *, PyObject *);
 static PyObject *each_run(SlotMap *self, PyObject *runs, run_fn fn) {
     if (!ready(self))
         return NULL;
-    PyObject *seq = PySequence_Fast(runs, "runs must be a sequence of (start, length) pairs");
-    if (!seq)
-        return NULL;
+    /* a tuple (the runs events carry are one already): nothing a run's __index__ does can change it */
+    PyObject *seq = PyTuple_CheckExact(runs) ? (Py_INCREF(runs), runs) : NULL;
+    if (!seq) {
+        seq = PySequence_Check(runs) ? PySequence_Tuple(runs) : NULL;
+        if (!seq) {
+            if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_TypeError)) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "runs must be a sequence of (start, length) pairs");
+            }
+            return NULL;
+        }
+    }
     PyObject *bad = PyList_New(0);
     if (!bad) {
         Py_DECREF(seq);
         return NULL;
     }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < k; i++) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); i++) {
         Run r;
-        if (read_run(items[i], &r) < 0 || fn(self, &r, bad) < 0) {
+        int failed = read_run(PyTuple_GET_ITEM(seq, i), &r) < 0 || fn(self, &r, bad) < 0;
+        Py_XDECREF(r.start_obj);
+        if (failed) {
             Py_DECREF(bad);
             Py_DECREF(seq);
             return NULL;
@@ -515,8 +543,15 @@ static void values_close(Values *v) {
 
 static int values_get(Values *v, Py_ssize_t i, long long *out) {
     if (v->seq) {
+        if (i >= PySequence_Fast_GET_SIZE(v->seq)) { /* an __index__ shrank the list */
+            PyErr_SetString(PyExc_RuntimeError, "the values changed size while they were read");
+            return -1;
+        }
+        PyObject *item = PySequence_Fast_ITEMS(v->seq)[i];
+        Py_INCREF(item);
         int overflow = 0;
-        long long x = PyLong_AsLongLongAndOverflow(PySequence_Fast_ITEMS(v->seq)[i], &overflow);
+        long long x = PyLong_AsLongLongAndOverflow(item, &overflow);
+        Py_DECREF(item);
         if (x == -1 && PyErr_Occurred())
             return -1;
         if (overflow) {
@@ -528,20 +563,22 @@ static int values_get(Values *v, Py_ssize_t i, long long *out) {
     }
     const char *p = (const char *)v->view.buf + (v->view.ndim ? i * v->view.strides[0] : 0);
     Py_ssize_t size = v->view.itemsize;
+    /* memcpy: a view need not be aligned */
     if (v->kind == 'i') {
         switch (size) {
-        case 1: *out = *(const int8_t *)p; return 0;
-        case 2: *out = *(const int16_t *)p; return 0;
-        case 4: *out = *(const int32_t *)p; return 0;
-        case 8: *out = *(const int64_t *)p; return 0;
+        case 1: { int8_t x; memcpy(&x, p, 1); *out = x; return 0; }
+        case 2: { int16_t x; memcpy(&x, p, 2); *out = x; return 0; }
+        case 4: { int32_t x; memcpy(&x, p, 4); *out = x; return 0; }
+        case 8: { int64_t x; memcpy(&x, p, 8); *out = x; return 0; }
         }
     } else {
         switch (size) {
-        case 1: *out = *(const uint8_t *)p; return 0;
-        case 2: *out = *(const uint16_t *)p; return 0;
-        case 4: *out = *(const uint32_t *)p; return 0;
+        case 1: { uint8_t x; memcpy(&x, p, 1); *out = x; return 0; }
+        case 2: { uint16_t x; memcpy(&x, p, 2); *out = x; return 0; }
+        case 4: { uint32_t x; memcpy(&x, p, 4); *out = x; return 0; }
         case 8: {
-            uint64_t u = *(const uint64_t *)p;
+            uint64_t u;
+            memcpy(&u, p, 8);
             if (u > (uint64_t)LLONG_MAX) {
                 PyErr_SetString(PyExc_OverflowError, "an index value does not fit in 64 bits");
                 return -1;

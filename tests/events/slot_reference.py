@@ -1,6 +1,7 @@
 """The pure-Python slot tables the compiled ``hicache_obs._slots.SlotMap`` replaced,
-kept as the oracle its differential tests compare against: verbatim but for one fix
-in ``_FreeList.first`` that the tests found (marked there)."""
+kept as the oracle its differential tests compare against: verbatim but for two fixes
+(marked "fix 1" and "fix 2") of pages taken out of order and freed, which the tests and
+a review found in both implementations."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ class _FreeList:
         if p in freed:
             del freed[p]
             self.n -= 1
+            # fix 2: a freed page at or above `fresh` taken again was left looking never-used
+            if p == self.fresh:
+                self.fresh += 1
+                while self.holes and self.fresh in self.holes:
+                    self.holes.remove(self.fresh)
+                    self.fresh += 1
+            elif p > self.fresh:
+                self.holes.add(p)
         elif p == self.fresh:
             self.n -= 1
             self.fresh += 1
@@ -81,8 +90,8 @@ class _FreeList:
         p = self.fresh
         holes = self.holes
         while len(out) < k and p < self.npages:
-            if p not in holes and p not in self.freed:  # the one change: a page taken above
-                out.append(p)  # `fresh` and freed again was listed twice (here and in `freed`)
+            if p not in holes and p not in self.freed:  # fix 1: a page taken above `fresh`
+                out.append(p)  # and freed again was listed twice (here and in `freed`)
             p += 1
         if len(out) < k:
             for q in self.freed:

@@ -317,3 +317,16 @@ def test_emit_without_init_is_an_error() -> None:
     log = EventLog.__new__(EventLog)
     with pytest.raises(RuntimeError, match="__init__ did not run"):
         log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0)
+
+
+def test_an_event_class_that_emits_while_built_is_refused_not_given_a_repeated_seq() -> None:
+    log = EventLog()
+
+    def sneaky(**fields: object) -> _Made:
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=1, available=0)  # takes seq 0
+        return _Made(**fields)
+
+    with pytest.raises(RuntimeError, match="took seq 0 for another event"):
+        log.emit(sneaky, pool="kv")
+    assert [e.seq for e in log.events()] == [0] and log.published == 1
+    assert log.emit(_Made, pool="kv").seq == 1

@@ -41,6 +41,17 @@ def _scenario(draw: st.DrawFn) -> tuple[int, int, list[tuple[str, object]]]:
 def _same_state(got: SlotTable, want: ref.SlotTable) -> None:
     assert got.snapshot() == want.snapshot()
     assert (got.available, got.used) == (want.available, want.used)
+    _consistent(got)
+
+
+def _consistent(t: SlotTable) -> None:
+    """What holds whatever the history: the free list is exactly the pages whose slots are
+    all free, each once (a check that needs no oracle: it caught what both shared)."""
+    ps = t.page_size
+    free = [p for p in range(t.capacity // ps) if not any(t.is_allocated(p * ps + i) for i in range(ps))]
+    order = t.free_order()
+    assert sorted(order) == free and len(order) == len(set(order)) == t.available // ps
+    assert t.used == sum(t.is_allocated(s) for s in range(t.capacity))
 
 
 @settings(max_examples=400, deadline=None)
@@ -92,6 +103,42 @@ def test_a_page_taken_out_of_order_and_freed_is_listed_once() -> None:
     assert order == [1, 8, 9, 10, 2, 3, 4, 0]  # never-used pages first, then in the order freed
     pages = t.peek(8)
     assert t.apply_alloc(tuple((p, 1) for p in pages)) == [] and t.available == 0
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [("alloc", ((2, 1),)), ("free", ((2, 1),)), ("alloc", ((2, 1),)), ("free", ((2, 1),))],
+        [("alloc", ((1, 1),)), ("free", ((1, 1),)), ("alloc", ((0, 1),)), ("alloc", ((1, 1),))],
+    ],
+)
+def test_a_freed_page_above_the_fresh_ones_taken_again_is_not_listed_free(steps: list[tuple[str, object]]) -> None:
+    got, want = SlotTable("kv", "host", 4, 1), ref.SlotTable("kv", "host", 4, 1)
+    for name, runs in steps:
+        assert getattr(got, f"apply_{name}")(runs) == getattr(want, f"apply_{name}")(runs) == []
+        _same_state(got, want)
+
+
+def test_runs_whose_values_change_the_runs_while_read() -> None:
+    runs: list[list[object]] = []
+
+    class Shrinking:
+        def __index__(self) -> int:
+            runs.clear()  # a run's value that empties the list being read
+            return 1
+
+    runs.append([Shrinking(), 1])
+    t = SlotTable("kv", "host", 8, 1)
+    assert t.apply_alloc(runs) == [] and t.used == 1  # read from a copy: no dangling reference
+
+    class Clearing:
+        def __index__(self) -> int:
+            values.clear()
+            return 3
+
+    values: list[object] = [1, 2, Clearing(), 4]
+    with pytest.raises(RuntimeError, match="changed size while they were read"):
+        runs_of(values)
 
 
 def test_page_sizes_above_255_and_runs_beyond_64_bits() -> None:
