@@ -63,12 +63,13 @@ def _columns() -> int:
         return 80
 
 
-def read_log(paths: Sequence[str]) -> Any:
-    """Replay files or folders of segments; any unreadable input becomes a :class:`CliError`."""
+def read_log(paths: Sequence[str], **replay_options: Any) -> Any:
+    """Replay files or folders of segments (``replay_options``: see
+    :func:`~hicache_obs.events.replay.replay`); any unreadable input becomes a :class:`CliError`."""
     from ..events.replay import replay
 
     try:
-        return replay(list(paths))
+        return replay(list(paths), **replay_options)
     except (HiCacheError, OSError, UnicodeError) as exc:
         raise CliError(f"cannot read log: {exc}") from None
 

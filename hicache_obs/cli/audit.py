@@ -3,7 +3,8 @@
 The findings are recomputed from the log's other events; ``AuditViolation``
 events a live auditor left in the log are not counted again. Exit 0 when clean,
 1 with violations, 2 when an input cannot be read. A torn last line (a crash
-mid-write) is skipped and reported as a warning.
+mid-write) is skipped and reported as a warning. The log is folded block by block as
+it is read and no event is kept, so a log of any size is audited in bounded memory.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ def register(sub: Any) -> None:
 
 
 def audit_report(res: Any) -> dict[str, Any]:
-    """The ``--json`` document of a :class:`~hicache_obs.events.replay.ReplayResult`."""
+    """The ``--json`` document of a :class:`~hicache_obs.events.replay.ReplayResult`: its
+    ``findings`` when it was replayed with ``audit=True``, else the audit of its events."""
     from ..events.audit import audit
 
-    findings = audit(res.events)
+    findings = res.findings if res.findings is not None else audit(res.events)
     return {
         "files": list(res.files),
-        "events": len(res.events),
+        "events": res.n_events,
         "torn_lines": [{"file": t.file, "line": t.line} for t in res.torn_lines],
         "violations": [
             {"rule": f.rule, "pool": f.pool, "role": f.role, "op": f.op, "rank": f.rank, "detail": f.detail}
@@ -60,7 +62,8 @@ def audit_report(res: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    res = read_log(args.logs)
+    # folded block by block as it is read, no event kept: any size of log in bounded memory
+    res = read_log(args.logs, audit=True, keep_events=False)
     report = audit_report(res)
     for t in report["torn_lines"]:
         print(f"hicache-obs: warning: {t['file']}:{t['line']}: torn last line skipped", file=sys.stderr)

@@ -110,3 +110,10 @@ def _table(result: dict[str, Any]) -> None:
     ov = result.get("overhead")
     if ov:
         console.print(f"per-operation overhead (events + audit + metrics + logs): {ov['per_op_overhead_us']:.1f} us")
+    ev = result.get("events")
+    if ev:
+        console.print(
+            f"replay + audit keeping every event in memory: {_fmt(ev['replay_audit_retained_per_s'])}/s "
+            f"({ev['replay_retained_vs_floor']:.2f}x the floor; the target row folds as it reads, as "
+            "`hicache-obs audit` does)"
+        )

@@ -51,6 +51,8 @@ class ReplayResult:
     states: dict[int, CacheState] = field(default_factory=dict)
     by_rank: dict[int, list[Event]] = field(default_factory=dict)
     findings: list[Any] | None = None  # audit findings, with replay(..., audit=True)
+    #: events read per rank (also when they were not kept: ``replay(..., keep_events=False)``)
+    event_counts: dict[int, int] = field(default_factory=dict)
 
     @property
     def state(self) -> CacheState:
@@ -61,7 +63,12 @@ class ReplayResult:
 
     @property
     def ranks(self) -> list[int]:
-        return sorted(self.by_rank)
+        return sorted(self.event_counts or self.by_rank)
+
+    @property
+    def n_events(self) -> int:
+        """Events read, of every rank."""
+        return sum(self.event_counts.values()) if self.event_counts else len(self.events)
 
 
 def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
@@ -84,13 +91,14 @@ def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
 _CHUNK = 8 << 20
 
 
-def _blocks(fh: Any) -> Iterator[tuple[str, int, Any, int]]:
+def _blocks(fh: Any, piece: int = 0) -> Iterator[tuple[str, int, Any, int]]:
     """Yield runs of complete lines: ``("lines", first line number, buffer, line count)``,
     or ``("overlong", line number, b"", 1)`` / ``("torn", line number, b"", 0)``.
 
     Reads in chunks and never holds more than one chunk plus ``MAX_LINE_BYTES``; no line
     in a ``lines`` block is longer than ``MAX_LINE_BYTES``. The lines inside a chunk are
-    handed on as a view of it, uncopied; only a line that spans chunks is joined.
+    handed on as a view of it, uncopied; only a line that spans chunks is joined. With
+    ``piece``, a chunk's lines come in blocks of about that many bytes.
     """
     lineno = 0
     tail = b""  # the start of a line that continues in the next chunk
@@ -130,9 +138,13 @@ def _blocks(fh: Any) -> Iterator[tuple[str, int, Any, int]]:
                 tail = b""
                 skipping = True
             continue
-        n = chunk.count(b"\n", start, cut + 1)
-        yield "lines", lineno + 1, memoryview(chunk)[start : cut + 1], n
-        lineno += n
+        view = memoryview(chunk)
+        while start <= cut:
+            end = chunk.find(b"\n", min(start + piece, cut)) if piece else cut
+            n = chunk.count(b"\n", start, end + 1)
+            yield "lines", lineno + 1, view[start : end + 1], n
+            lineno += n
+            start = end + 1
         tail = chunk[cut + 1 :]
     if skipping or tail:
         yield "torn", lineno + 1, b"", 0
@@ -261,21 +273,37 @@ def _merge(by_rank: dict[int, list[Event]]) -> list[Event]:
     return list(heapq.merge(*(by_rank[r] for r in sorted(by_rank)), key=lambda e: (e.ts_ns, e.rank)))
 
 
-def replay(source: Any, *, audit: bool = False) -> ReplayResult:
+#: Bytes of a log decoded at a time when its events are folded as they are read
+#: (``keep_events=False``): a block's events are folded and freed while the CPU's caches
+#: still hold them (256 KiB: 1.4x the events per second of 8 MiB blocks, on a 2-core x86).
+STREAM_BLOCK_BYTES = 256 << 10
+
+
+def replay(source: Any, *, audit: bool = False, keep_events: bool = True) -> ReplayResult:
     """Rebuild the bookkeeping from a log.
 
     ``source``: a path, a folder, a list of them, an :class:`EventLog`, or an
     iterable of events. Returns the merged history, each rank's
     :class:`CacheState`, the files read and the torn lines skipped. With ``audit``
     the audit rules run over the same fold (``findings``), end-of-log rules included.
+
+    With ``keep_events=False`` the events are not kept (``events`` and ``by_rank`` are
+    empty; ``event_counts`` says how many there were): files are then folded block by
+    block as they are read, in bounded memory, when each segment continues its rank's
+    gap-free run (what a store writes); otherwise they are read whole, sorted and
+    checked first, as with ``keep_events=True``. States, findings and errors are the same.
     """
-    if isinstance(source, (str, os.PathLike)):
-        res = read_segments([source])
-    elif isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
-        res = read_segments(source)
+    paths = _paths_of(source)
+    if paths is not None and not keep_events:
+        streamed = _replay_streaming(paths, audit)
+        if streamed is not None:
+            return streamed
+    if paths is not None:
+        res = read_segments(paths)
     else:
         events = source.events() if hasattr(source, "events") and callable(source.events) else source
         res = _from_events(events)
+    res.event_counts = {rank: len(evs) for rank, evs in res.by_rank.items()}
     if audit:
         from .audit import Auditor
 
@@ -284,12 +312,82 @@ def replay(source: Any, *, audit: bool = False) -> ReplayResult:
             auditor.feed(res.by_rank[rank])
         res.findings = auditor.finish()
         res.states = auditor.states
-        return res
-    for rank, evs in res.by_rank.items():
-        st = CacheState()
-        for ev in evs:
-            st.apply(ev)
-        res.states[rank] = st
+    else:
+        for rank, evs in res.by_rank.items():
+            st = CacheState()
+            for ev in evs:
+                st.apply(ev)
+            res.states[rank] = st
+    if not keep_events:
+        res.events, res.by_rank = [], {}
+    return res
+
+
+def _paths_of(source: Any) -> list[Any] | None:
+    if isinstance(source, (str, os.PathLike)):
+        return [source]
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
+        return list(source)
+    return None
+
+
+def _replay_streaming(paths: Sequence[str | os.PathLike[str]], audit: bool) -> ReplayResult | None:
+    """Fold files block by block as they are read, keeping no event; ``None`` as soon as a
+    block does not continue its rank's gap-free run (the caller then reads, sorts and
+    checks the whole log). Malformed lines raise as :func:`read_file` does."""
+    files = expand_paths(paths)
+    auditor = None
+    if audit:
+        from .audit import Auditor
+
+        auditor = Auditor(fold_state=True)
+    states: dict[int, CacheState] = {}
+    next_seq: dict[int, int] = {}  # per rank: the seq its next event must carry
+    torn: list[TornLine] = []
+    for f in files:
+        name = str(f)
+        try:
+            fh = open(f, "rb")
+        except OSError as exc:
+            raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
+        with fh:
+            try:
+                for kind, i, block, n in _blocks(fh, STREAM_BLOCK_BYTES):
+                    if kind == "torn":
+                        torn.append(TornLine(name, i))
+                        break
+                    if kind == "overlong":
+                        raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
+                    events: list[Event] = []
+                    _decode_block(name, i, block, n, events)
+                    run = gap_free_run(events)
+                    if run is None:
+                        if events:
+                            return None
+                        continue
+                    rank, first = run
+                    if next_seq.get(rank, 0) != first:
+                        return None
+                    next_seq[rank] = first + len(events)
+                    if auditor is not None:
+                        auditor.feed(events)
+                        continue
+                    st = states.get(rank)
+                    if st is None:
+                        st = states[rank] = CacheState()
+                    apply = st.apply
+                    for ev in events:
+                        apply(ev)
+            except OSError as exc:
+                raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
+    res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, event_counts=dict(next_seq))
+    if auditor is not None:
+        # the order a rank-by-rank fold reports in: each rank's findings in seq order,
+        # then the end-of-log ones, rank by rank
+        res.findings = sorted(auditor.finish(), key=lambda x: (x.seq == -1, x.rank))
+        res.states = auditor.states
+    else:
+        res.states = states
     return res
 
 

@@ -36,3 +36,17 @@ def test_data_path_section_reports_every_ratio_and_the_kernel_ceiling() -> None:
             for key in ("write_vs_memcpy", "load_vs_memcpy", "kernel_write_vs_memcpy"):
                 assert 0 < row[key] < 100, (layout, ps, key, row[key])
             assert row["write_vs_memcpy_spread"][0] <= row["write_vs_memcpy"] <= row["write_vs_memcpy_spread"][1]
+
+
+def test_events_section_reports_both_replays_against_the_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache_obs.bench import bench_events
+    from hicache_obs.cli.bench import _table
+
+    out = bench_events(n=3000, rounds=1)
+    for key in ("append", "durable", "replay", "replay_retained"):
+        vs = out[f"{key}_vs_floor"]
+        assert 0 < vs < 100 and out[f"{key}_vs_floor_spread"] == [vs, vs], key
+    assert out["replay_audit_per_s"] > 0 and out["replay_audit_retained_per_s"] > 0
+    assert out["replay_retained_vs_floor"] == pytest.approx(out["replay_audit_retained_per_s"] / out["replay_floor_per_s"])
+    _table({"machine": {"cores": 2, "torch": "t", "python": "p"}, "targets": [], "events": out})
+    assert "replay + audit keeping every event in memory" in capsys.readouterr().out

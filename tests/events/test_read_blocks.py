@@ -26,9 +26,9 @@ def _expected(data: bytes, limit: int) -> list[tuple[str, int, bytes]]:
     return out
 
 
-def _got(data: bytes) -> list[tuple[str, int, bytes]]:
+def _got(data: bytes, piece: int = 0) -> list[tuple[str, int, bytes]]:
     out: list[tuple[str, int, bytes]] = []
-    for kind, first, block, n in rp._blocks(io.BytesIO(data)):
+    for kind, first, block, n in rp._blocks(io.BytesIO(data), piece):
         if kind != "lines":
             out.append((kind, first, b""))
             continue
@@ -43,13 +43,14 @@ def _got(data: bytes) -> list[tuple[str, int, bytes]]:
     lines=st.lists(st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"x")), max_size=12),
     torn=st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"x")),
     chunk=st.integers(1, 9),
+    piece=st.integers(0, 5),  # 0: a chunk's lines in one block
 )
-def test_every_line_once_whatever_the_chunking(lines: list[bytes], torn: bytes, chunk: int) -> None:
+def test_every_line_once_whatever_the_chunking(lines: list[bytes], torn: bytes, chunk: int, piece: int) -> None:
     data = b"".join(line + b"\n" for line in lines) + torn
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rp, "_CHUNK", chunk)
         mp.setattr(rp, "MAX_LINE_BYTES", 12)  # above the chunk size, as in use (8 MiB vs 16 MiB)
-        got = _got(data)
+        got = _got(data, piece)
     assert got == _expected(data, 12)
 
 
@@ -57,6 +58,8 @@ def test_a_block_is_a_view_of_the_chunk_not_a_copy() -> None:
     data = b"a\nbb\nccc\n"
     [(kind, first, block, n)] = list(rp._blocks(io.BytesIO(data)))
     assert (kind, first, n) == ("lines", 1, 3) and isinstance(block, memoryview) and bytes(block) == data
+    pieces = [(first, bytes(block), n) for _, first, block, n in rp._blocks(io.BytesIO(data), 2)]
+    assert pieces == [(1, b"a\nbb\n", 2), (3, b"ccc\n", 1)]  # about 2 bytes a block, whole lines
 
 
 def _ev(seq: int, rank: int = 0) -> AllocationFailed:
