@@ -158,21 +158,29 @@ def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | Non
     """
     name = str(path)
     events: list[Event] = []
+    for kind, i, block, n in _file_blocks(path):
+        if kind == "torn":
+            return events, TornLine(name, i)
+        _decode_block(name, i, block, n, events)
+    return events, None
+
+
+def _file_blocks(path: str | os.PathLike[str], piece: int = 0) -> Iterator[tuple[str, int, Any, int]]:
+    """:func:`_blocks` of one file, a ``torn`` item last if its last line is torn; an
+    unreadable file or a line over ``MAX_LINE_BYTES`` raises :class:`LogFormatError`."""
+    name = str(path)
     try:
         fh = open(path, "rb")
     except OSError as exc:
         raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
     with fh:
         try:
-            for kind, i, block, n in _blocks(fh):
-                if kind == "torn":
-                    return events, TornLine(name, i)
+            for kind, i, block, n in _blocks(fh, piece):
                 if kind == "overlong":
                     raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
-                _decode_block(name, i, block, n, events)
+                yield kind, i, block, n
         except OSError as exc:
             raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
-    return events, None
 
 
 def _decode_block(name: str, first: int, block: Any, n_lines: int, out: list[Event]) -> None:
@@ -346,40 +354,30 @@ def _replay_streaming(paths: Sequence[str | os.PathLike[str]], audit: bool) -> R
     torn: list[TornLine] = []
     for f in files:
         name = str(f)
-        try:
-            fh = open(f, "rb")
-        except OSError as exc:
-            raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
-        with fh:
-            try:
-                for kind, i, block, n in _blocks(fh, STREAM_BLOCK_BYTES):
-                    if kind == "torn":
-                        torn.append(TornLine(name, i))
-                        break
-                    if kind == "overlong":
-                        raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
-                    events: list[Event] = []
-                    _decode_block(name, i, block, n, events)
-                    run = gap_free_run(events)
-                    if run is None:
-                        if events:
-                            return None
-                        continue
-                    rank, first = run
-                    if next_seq.get(rank, 0) != first:
-                        return None
-                    next_seq[rank] = first + len(events)
-                    if auditor is not None:
-                        auditor.feed(events)
-                        continue
-                    st = states.get(rank)
-                    if st is None:
-                        st = states[rank] = CacheState()
-                    apply = st.apply
-                    for ev in events:
-                        apply(ev)
-            except OSError as exc:
-                raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
+        for kind, i, block, n in _file_blocks(f, STREAM_BLOCK_BYTES):
+            if kind == "torn":
+                torn.append(TornLine(name, i))
+                break
+            events: list[Event] = []
+            _decode_block(name, i, block, n, events)
+            run = gap_free_run(events)
+            if run is None:
+                if events:
+                    return None
+                continue
+            rank, first = run
+            if next_seq.get(rank, 0) != first:
+                return None
+            next_seq[rank] = first + len(events)
+            if auditor is not None:
+                auditor.feed(events)
+                continue
+            st = states.get(rank)
+            if st is None:
+                st = states[rank] = CacheState()
+            apply = st.apply
+            for ev in events:
+                apply(ev)
     res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, event_counts=dict(next_seq))
     if auditor is not None:
         # the order a rank-by-rank fold reports in: each rank's findings in seq order,
