@@ -679,10 +679,64 @@ fail:
     return NULL;
 }
 
+/* side_runs(pair_runs, side): the ((start, length), ...) of one side (0 host, 1 device)
+ * of pair_runs_of output, consecutive runs of that side joined. */
+static PyObject *side_runs(PyObject *Py_UNUSED(mod), PyObject *args) {
+    PyObject *pairs;
+    int side;
+    if (!PyArg_ParseTuple(args, "Oi:side_runs", &pairs, &side))
+        return NULL;
+    if (side != 0 && side != 1) {
+        PyErr_Format(PyExc_ValueError, "side_runs: side must be 0 (host) or 1 (device), got %d", side);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Tuple(pairs);
+    if (!seq)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    long long start = 0, end = 0;
+    int have = 0;
+    for (Py_ssize_t i = 0; out && i < PyTuple_GET_SIZE(seq); i++) {
+        PyObject *run = PySequence_Tuple(PyTuple_GET_ITEM(seq, i));
+        if (!run)
+            goto fail;
+        if (PyTuple_GET_SIZE(run) != 3) {
+            PyErr_Format(PyExc_TypeError, "side_runs: a pair run is (host, device, length), got %R", run);
+            Py_DECREF(run);
+            goto fail;
+        }
+        long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(run, side));
+        long long n = s == -1 && PyErr_Occurred() ? 0 : PyLong_AsLongLong(PyTuple_GET_ITEM(run, 2));
+        Py_DECREF(run);
+        if (PyErr_Occurred())
+            goto fail;
+        if (have && s == end) {
+            end += n;
+            continue;
+        }
+        if (have && append_tuple(out, Py_BuildValue("(LL)", start, end - start)) < 0)
+            goto fail;
+        start = s;
+        end = s + n;
+        have = 1;
+    }
+    if (out && have && append_tuple(out, Py_BuildValue("(LL)", start, end - start)) < 0)
+        goto fail;
+    Py_DECREF(seq);
+    return list_to_tuple(out);
+fail:
+    Py_XDECREF(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"runs_of", runs_of, METH_O,
      "runs_of(values, /)\n--\n\n((start, length), ...) of consecutive values, from a sequence of ints or a 1-D "
      "integer buffer."},
+    {"side_runs", side_runs, METH_VARARGS,
+     "side_runs(pair_runs, side, /)\n--\n\n((start, length), ...) of one side (0 host, 1 device) of pair_runs_of "
+     "output, consecutive runs joined."},
     {"pair_runs_of", pair_runs_of, METH_VARARGS,
      "pair_runs_of(host, device, /)\n--\n\n((host_start, device_start, length), ...) of index pairs consecutive on "
      "both sides; as zip(), up to the shorter side."},

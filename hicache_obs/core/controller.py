@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._slots import runs_of
+from .._slots import side_runs as _side_runs  # one side (0 host, 1 device) of pair runs, joined
 from ..errors import (
     ConfigError,
     ControllerClosedError,
@@ -108,23 +109,6 @@ _PLAIN_TENSOR_CALLS = torch._C.DisableTorchFunctionSubclass
 
 #: (pool, host indices, device indices, their ``pair_runs`` when the values are on the CPU)
 _Pair = tuple[str, torch.Tensor, torch.Tensor, Any]
-
-
-def _side_runs(pair: Any, side: int) -> tuple[tuple[int, int], ...]:
-    """The run-length encoding of one side (0 host, 1 device) of ``pair_runs`` output."""
-    out: list[tuple[int, int]] = []
-    start = end = -1
-    for run in pair:
-        s, n = run[side], run[2]
-        if s == end:
-            end += n
-            continue
-        if end >= 0:
-            out.append((start, end - start))
-        start, end = s, s + n
-    if end >= 0:
-        out.append((start, end - start))
-    return tuple(out)
 
 
 class HiCacheController:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_obs._slots import pair_runs_of, runs_of
+from hicache_obs._slots import pair_runs_of, runs_of, side_runs
 from hicache_obs.core.transfer import pair_runs, tensor_pair_runs
 from hicache_obs.events.schema import runs_from_list
 from hicache_obs.events.state import AllocMap, SlotTable
@@ -252,3 +252,29 @@ def test_run_encoding_at_the_edges_of_64_bits_and_bad_input() -> None:
     with pytest.raises(TypeError, match="a sequence of ints"):
         runs_of(5)
     assert runs_of([]) == () and pair_runs_of([], [1]) == ()
+
+
+def _ref_side_runs(pairs: tuple[tuple[int, int, int], ...], side: int) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for run in pairs:
+        s, n = run[side], run[2]
+        if out and s == out[-1][0] + out[-1][1]:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((s, n))
+    return tuple(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(host=_VALUES.map(lambda v: [abs(x) for x in v]), device=_VALUES.map(lambda v: [abs(x) for x in v]))
+def test_side_runs_joins_one_side_of_the_pair_runs(host: list[int], device: list[int]) -> None:
+    pairs = pair_runs_of(host, device)
+    for side in (0, 1):
+        assert side_runs(pairs, side) == _ref_side_runs(pairs, side)
+        assert side_runs(list(pairs), side) == _ref_side_runs(pairs, side)
+    n = min(len(host), len(device))
+    assert side_runs(pairs, 0) == runs_of(host[:n]) and side_runs(pairs, 1) == runs_of(device[:n])
+    with pytest.raises(ValueError, match=r"side must be 0 \(host\) or 1 \(device\), got 2"):
+        side_runs(pairs, 2)
+    with pytest.raises(TypeError, match=r"a pair run is \(host, device, length\)"):
+        side_runs(((1, 2),), 0)
