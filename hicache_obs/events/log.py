@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from .._compiled import LogCore  # a ConfigError here if it is not built
 from ..errors import ConfigError, SequenceError
 from .schema import Event
 
@@ -32,14 +33,6 @@ Subscriber = Callable[[Event], None]
 E = TypeVar("E", bound=Event)
 
 _log = logging.getLogger("hicache_obs.events")
-
-try:
-    from .._logcore import LogCore
-except ImportError as _exc:
-    raise ConfigError(
-        f"the event log's append path hicache_obs._logcore is not built ({_exc}); install the package "
-        "with a C compiler present (make venv, or pip install -e .)"
-    ) from None
 
 
 class EventLog(LogCore):

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from .._logcore import gap_free_run
+from .._compiled import gap_free_run
 from ..errors import LogFormatError, SequenceError
 from .schema import AnyEvent, Event
 from .state import CacheState

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._compiled import SlotMap  # a ConfigError here if it is not built
 from .schema import (
     D2H,
     H2D,
@@ -36,17 +37,6 @@ from .schema import (
 )
 
 __all__ = ["AllocMap", "SlotTable", "OpState", "CacheState", "fold"]
-
-
-try:
-    from .._slots import SlotMap
-except ImportError as _exc:
-    from ..errors import ConfigError
-
-    raise ConfigError(
-        f"the slot maps hicache_obs._slots are not built ({_exc}); install the package "
-        "with a C compiler present (make venv, or pip install -e .)"
-    ) from None
 
 
 class AllocMap(SlotMap):

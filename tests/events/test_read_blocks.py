@@ -5,6 +5,8 @@ segments are joined without a sort only when each is one rank's gap-free run."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -90,3 +92,18 @@ def test_replay_of_segments_out_of_order_still_sorts_and_checks(tmp_path: Path) 
     (tmp_path / "events-0-00001.jsonl").write_bytes(b"".join(enc.encode(e) + b"\n" for e in evs[:2]))
     with pytest.raises(SequenceError, match=r"sequence gap: seq 1 .* is followed by seq 3"):
         rp.replay(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("module", "what"), [("hicache_obs._logcore", "append path"), ("hicache_obs._slots", "slot maps")]
+)
+def test_a_missing_extension_is_a_clear_error_at_import(module: str, what: str) -> None:
+    # in a fresh interpreter: the module is blocked before anything imports it
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        "try:\n    import hicache_obs.events\nexcept Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.startswith(f"ConfigError {module} (") and ") is not built (" in out and what in out, out
+    assert "make venv" in out
