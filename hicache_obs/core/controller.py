@@ -282,7 +282,7 @@ class HiCacheController:
         they are read when ``t`` is on the CPU (in place, through a numpy view)."""
         dev = self.runtime.tensor_device(t)
         if runs is None and dev == "cpu":
-            runs = runs_of(t.detach().numpy())
+            runs = runs_of(t.numpy())  # int64 (validated): never requires grad
         # metadata only: skip a tensor subclass's __torch_function__ (the sim runtime's
         # costs ~6 us a call, and a description reads four attributes)
         with _PLAIN_TENSOR_CALLS():
@@ -681,7 +681,7 @@ class HiCacheController:
             )
         if self.io_backend == "kernel":
             if rt.has_device and not rt.is_device(host_indices):
-                known = runs_of(host_indices.detach().numpy()) if self._detail else None
+                known = runs_of(host_indices.numpy()) if self._detail else None
                 moved = rt.to_device(host_indices, non_blocking=True)
                 self._moved(op, pool, "host", host_indices, moved, known)
                 host_indices = moved

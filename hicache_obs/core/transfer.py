@@ -60,7 +60,7 @@ def pair_runs(host: Any, device: Any) -> Runs3:
 
 def tensor_pair_runs(host: torch.Tensor, device: torch.Tensor) -> Runs3:
     """:func:`pair_runs` of two CPU index tensors, read in place through numpy views."""
-    return pair_runs_of(host.detach().numpy(), device.detach().numpy())  # type: ignore[return-value]
+    return pair_runs_of(host.numpy(), device.numpy())  # type: ignore[return-value]  # int64: no grad
 
 
 # ------------------------------------------------------------------ kernels
