@@ -6,7 +6,8 @@
  *   - refuse a header field (seq, ts_ns, rank) among the fields, with a TypeError;
  *   - take the log's lock (the Python RLock EventLog's other methods take);
  *   - build the event with cls(**fields, seq=, ts_ns=time.time_ns(), rank=), through
- *     vectorcall; a failed construction spends no seq;
+ *     vectorcall; a failed construction spends no seq, and a class that emitted while it
+ *     was built (taking this seq) is a RuntimeError rather than two events with one seq;
  *   - append it to the retained deque, wait for room in every blocking sink runner,
  *     store it in the ring and publish it to the sink runners;
  *   - deliver it to every subscriber in order; a subscriber that raises an Exception is

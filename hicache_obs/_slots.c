@@ -8,8 +8,9 @@
  *   page_used[npages]   allocated slots per page (page_size > 1)
  *   the free list       the FIFO the allocator takes pages from: the never-used pages
  *                       from `fresh` upwards (less the holes: pages above `fresh` taken
- *                       out of order), then the freed pages in the order they were freed
- *                       (a doubly linked list over the pages, O(1) removal).
+ *                       out of order, and those freed again, which are listed below),
+ *                       then the freed pages in the order they were freed (a doubly
+ *                       linked list over the pages, O(1) removal).
  * Without track_pages only `alloc` exists (what the auditor needs).
  *
  * Runs are ((start, length), ...). A run that lies (partly) out of range, or has a
@@ -18,8 +19,8 @@
  *
  * The page arrays are calloc'd: pages never used cost no memory the OS has to back.
  *
- * runs_of / pair_runs_of run-length encode index values (lists, or numpy views of index
- * tensors, read in place) into the runs events and copies carry.
+ * runs_of / pair_runs_of / side_runs run-length encode index values (lists, or numpy
+ * views of index tensors, read in place) into the runs events and copies carry.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
