@@ -12,8 +12,8 @@
  *     store it in the ring and publish it to the sink runners;
  *   - deliver it to every subscriber in order; a subscriber that raises an Exception is
  *     reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; an
- *     event emitted while subscribers run is queued in _pending and delivered by
- *     EventLog._drain_pending() once the current one reached every subscriber.
+ *     event emitted while subscribers run is queued in _pending and delivered once the
+ *     current one reached every subscriber.
  *
  * The lock is released on every path out. The header's keyword names are cached per
  * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
@@ -45,7 +45,7 @@ typedef struct {
 static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts_ns", "rank") */
 static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
 static PyObject *str_seq, *str_rank;
-static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_drain, *str_name;
+static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_popleft, *str_name;
 
 static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->rank);
@@ -173,6 +173,110 @@ static int unlock(LogCore *self) {
     return t ? -1 : 0;
 }
 
+/* Hand one event to every subscriber, in order. A subscriber that raises an Exception is
+ * reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; anything
+ * else (KeyboardInterrupt) goes up: -1. */
+static int deliver(LogCore *self, PyObject *ev) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->subscribers); i++) {
+        PyObject *fn = PyList_GET_ITEM(self->subscribers, i);
+        Py_INCREF(fn);
+        PyObject *r = PyObject_CallOneArg(fn, ev);
+        if (!r) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                Py_DECREF(fn);
+                return -1;
+            }
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            if (tb)
+                PyException_SetTraceback(v, tb);
+            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, fn, ev, v, NULL);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            if (!r) {
+                Py_DECREF(fn);
+                return -1;
+            }
+        }
+        Py_DECREF(r);
+        Py_DECREF(fn);
+    }
+    return 0;
+}
+
+/* Store event `seq` (its seq already spent): the retained deque, room in every blocking
+ * runner, the ring, `published`; then deliver it, or queue it when subscribers are
+ * running (an emit from one of them), and deliver what was queued meanwhile. The caller
+ * holds the lock. Shared by emit() and EventLog.append(). */
+static int publish(LogCore *self, PyObject *ev, long long seq) {
+    PyObject *r = PyObject_CallOneArg(self->events_append, ev);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->blocking); i++) {
+        PyObject *runner = PyList_GET_ITEM(self->blocking, i);
+        Py_INCREF(runner);
+        r = PyObject_CallMethodNoArgs(runner, str_wait_for_room);
+        Py_DECREF(runner);
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+    }
+    Py_ssize_t size = PyList_GET_SIZE(self->ring);
+    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(size - 1));
+    PyObject *old = PyList_GET_ITEM(self->ring, slot);
+    Py_INCREF(ev);
+    PyList_SET_ITEM(self->ring, slot, ev);
+    Py_XDECREF(old);
+    if (self->published < seq + 1) /* never backwards, whatever ran in between */
+        self->published = seq + 1;
+    if (self->dispatching) {
+        r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+        return 0;
+    }
+    self->dispatching = 1;
+    int rc = deliver(self, ev);
+    while (rc == 0) { /* what subscribers emitted, in log order, after the current event */
+        Py_ssize_t waiting = PyObject_Size(self->pending);
+        if (waiting <= 0) {
+            rc = waiting < 0 ? -1 : 0;
+            break;
+        }
+        PyObject *next = PyObject_CallMethodNoArgs(self->pending, str_popleft);
+        if (!next) {
+            rc = -1;
+            break;
+        }
+        rc = deliver(self, next);
+        Py_DECREF(next);
+    }
+    self->dispatching = 0;
+    return rc;
+}
+
+/* EventLog.append's store: the event's seq is the one the caller just spent, under the lock. */
+static PyObject *core_publish(LogCore *self, PyObject *ev) {
+    if (!self->release) {
+        PyErr_SetString(PyExc_RuntimeError, "append() on an EventLog whose __init__ did not run");
+        return NULL;
+    }
+    PyObject *seq_obj = PyObject_GetAttr(ev, str_seq);
+    if (!seq_obj)
+        return NULL;
+    long long seq = PyLong_AsLongLong(seq_obj);
+    Py_DECREF(seq_obj);
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    if (publish(self, ev, seq) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs != 1) {
@@ -233,75 +337,8 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
         goto out;
     }
     self->seq = seq + 1;
-    r = PyObject_CallOneArg(self->events_append, ev);
-    if (!r)
+    if (publish(self, ev, seq) < 0)
         goto fail_locked;
-    Py_DECREF(r);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->blocking); i++) {
-        PyObject *runner = PyList_GET_ITEM(self->blocking, i);
-        Py_INCREF(runner);
-        r = PyObject_CallMethodNoArgs(runner, str_wait_for_room);
-        Py_DECREF(runner);
-        if (!r)
-            goto fail_locked;
-        Py_DECREF(r);
-    }
-    Py_ssize_t size = PyList_GET_SIZE(self->ring);
-    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(size - 1));
-    PyObject *old = PyList_GET_ITEM(self->ring, slot);
-    Py_INCREF(ev);
-    PyList_SET_ITEM(self->ring, slot, ev);
-    Py_XDECREF(old);
-    if (self->published < seq + 1) /* never backwards, whatever ran in between */
-        self->published = seq + 1;
-
-    if (self->dispatching) {
-        r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
-        if (!r)
-            goto fail_locked;
-        Py_DECREF(r);
-        goto done;
-    }
-    self->dispatching = 1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->subscribers); i++) {
-        PyObject *fn = PyList_GET_ITEM(self->subscribers, i);
-        Py_INCREF(fn);
-        r = PyObject_CallOneArg(fn, ev);
-        if (!r) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like go up */
-                Py_DECREF(fn);
-                self->dispatching = 0;
-                goto fail_locked;
-            }
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            PyErr_NormalizeException(&t, &v, &tb);
-            if (tb)
-                PyException_SetTraceback(v, tb);
-            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, fn, ev, v, NULL);
-            Py_XDECREF(t);
-            Py_XDECREF(v);
-            Py_XDECREF(tb);
-            if (!r) {
-                Py_DECREF(fn);
-                self->dispatching = 0;
-                goto fail_locked;
-            }
-        }
-        Py_DECREF(r);
-        Py_DECREF(fn);
-    }
-    Py_ssize_t waiting = PyObject_Size(self->pending);
-    if (waiting) {
-        r = waiting > 0 ? PyObject_CallMethodNoArgs((PyObject *)self, str_drain) : NULL;
-        if (!r) {
-            self->dispatching = 0;
-            goto fail_locked;
-        }
-        Py_DECREF(r);
-    }
-    self->dispatching = 0;
-done:
     if (unlock(self) < 0)
         Py_CLEAR(ev);
     goto out;
@@ -320,6 +357,8 @@ out:
 static PyMethodDef core_methods[] = {
     {"emit", (PyCFunction)(void (*)(void))core_emit, METH_FASTCALL | METH_KEYWORDS,
      "emit(cls, /, **fields)\n--\n\nCreate, append and deliver one event of type ``cls``."},
+    {"_publish", (PyCFunction)core_publish, METH_O,
+     "Store and deliver an event whose seq the caller (EventLog.append, holding the lock) just spent."},
     {"_bind", (PyCFunction)(void (*)(void))core_bind, METH_VARARGS | METH_KEYWORDS,
      "Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque and lock."},
     {NULL, NULL, 0, NULL},
@@ -427,10 +466,10 @@ PyMODINIT_FUNC PyInit__logcore(void) {
     str_release = PyUnicode_InternFromString("release");
     str_wait_for_room = PyUnicode_InternFromString("wait_for_room");
     str_failed = PyUnicode_InternFromString("_subscriber_failed");
-    str_drain = PyUnicode_InternFromString("_drain_pending");
+    str_popleft = PyUnicode_InternFromString("popleft");
     str_name = PyUnicode_InternFromString("__name__");
     if (!names_cache || !header_names || !str_append || !str_acquire || !str_release || !str_wait_for_room ||
-        !str_failed || !str_drain || !str_name)
+        !str_failed || !str_popleft || !str_name)
         return NULL;
     if (PyType_Ready(&LogCoreType) < 0)
         return NULL;

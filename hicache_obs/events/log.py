@@ -42,7 +42,7 @@ class EventLog(LogCore):
     counted in ``overflowed``); subscribers and sinks still see every event.
 
     ``emit`` is the compiled ``LogCore.emit`` (``hicache_obs/_logcore.c``); ``append``
-    below is the same path in Python, for events built elsewhere.
+    checks an event built elsewhere and hands it to the same compiled store and delivery.
     """
 
     # inherited from LogCore: emit(cls, /, **fields) stamps the header (seq, ts_ns, rank;
@@ -94,36 +94,8 @@ class EventLog(LogCore):
                     f"(type {type(event).__name__})"
                 )
             self._seq += 1
-            self._store(event)
+            self._publish(event)  # what emit() does after building its event (compiled)
             return event
-
-    def _store(self, ev: Event) -> None:
-        self._events.append(ev)
-        for runner in self._blocking:
-            runner.wait_for_room()
-        self._ring[ev.seq & self._mask] = ev
-        self.published = ev.seq + 1
-        if self._dispatching:
-            self._pending.append(ev)
-            return
-        self._dispatching = True
-        try:
-            self._deliver(ev)
-            self._drain_pending()
-        finally:
-            self._dispatching = False
-
-    def _drain_pending(self) -> None:
-        pending = self._pending
-        while pending:
-            self._deliver(pending.popleft())
-
-    def _deliver(self, ev: Event) -> None:
-        for fn in self._subscribers:
-            try:
-                fn(ev)
-            except Exception as exc:  # a subscriber must not break the hot path
-                self._subscriber_failed(fn, ev, exc)
 
     def _subscriber_failed(self, fn: Subscriber, ev: Event, exc: BaseException) -> None:
         name = getattr(fn, "__qualname__", repr(fn))

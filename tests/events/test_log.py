@@ -330,3 +330,26 @@ def test_an_event_class_that_emits_while_built_is_refused_not_given_a_repeated_s
         log.emit(sneaky, pool="kv")
     assert [e.seq for e in log.events()] == [0] and log.published == 1
     assert log.emit(_Made, pool="kv").seq == 1
+
+
+def test_append_stores_and_delivers_as_emit_does() -> None:
+    log = EventLog(capacity=2)
+    first: list[int] = []
+    second: list[int] = []
+
+    def appender(ev: object) -> None:
+        first.append(ev.seq)  # type: ignore[attr-defined]
+        if ev.seq == 0:  # type: ignore[attr-defined]
+            log.append(AllocationFailed(seq=1, ts_ns=1, pool="kv", tier="host", requested=1, available=0))
+            log.emit(AllocationFailed, pool="kv", tier="host", requested=2, available=0)
+
+    def broken(ev: object) -> None:
+        raise ValueError("bad subscriber")
+
+    log.subscribe(appender)
+    log.subscribe(broken)
+    log.subscribe(lambda e: second.append(e.seq))
+    log.append(AllocationFailed(seq=0, ts_ns=1, pool="kv", tier="host", requested=0, available=0))
+    assert first == second == [0, 1, 2]  # queued while delivering, then in log order
+    assert sum(log.subscriber_errors.values()) == 3 and log.published == 3
+    assert [e.seq for e in log.events()] == [1, 2] and log.overflowed == 1
