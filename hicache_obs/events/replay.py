@@ -24,7 +24,7 @@ import msgspec
 from .._compiled import gap_free_run
 from ..errors import LogFormatError, SequenceError
 from .schema import AnyEvent, Event
-from .state import CacheState
+from .state import CacheState, fold
 from .store import SEGMENT_GLOB
 
 __all__ = ["TornLine", "ReplayResult", "expand_paths", "read_file", "read_segments", "replay", "MAX_LINE_BYTES"]
@@ -322,10 +322,7 @@ def replay(source: Any, *, audit: bool = False, keep_events: bool = True) -> Rep
         res.states = auditor.states
     else:
         for rank, evs in res.by_rank.items():
-            st = CacheState()
-            for ev in evs:
-                st.apply(ev)
-            res.states[rank] = st
+            res.states[rank] = fold(evs)
     if not keep_events:
         res.events, res.by_rank = [], {}
     return res
