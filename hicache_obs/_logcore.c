@@ -18,11 +18,21 @@
  * The lock is released on every path out. The header's keyword names are cached per
  * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
  *
+ * Hand-off (feeders: a sink host's pipe, fed from the producer's own thread, with no worker
+ * thread and so no GIL hand-over while the controller runs): once a hand-off callable is
+ * set, the outermost publish calls it as handoff(start, events) with the ring's events
+ * [handoff_next, published) when `batch` of them wait or the oldest waited `interval`
+ * (CLOCK_MONOTONIC), under the log's lock. _handoff_now() does it at once (flush, close);
+ * _wait_handoff() lets a watcher thread sleep without the GIL until a hand-off is due
+ * while the producer is idle (or a stop fd is readable, or an out fd writable).
+ *
  * gap_free_run(events) is the check a replay makes of every segment it reads (see below).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <errno.h>
+#include <poll.h>
 #include <time.h>
 
 #define MAX_CACHED_NAMES 4096
@@ -40,7 +50,24 @@ typedef struct {
     PyObject *blocking;    /* list of runners with wait_for_room() */
     PyObject *pending;     /* deque */
     PyObject *acquire, *release;
+    /* the hand-off (see the top); the long longs are read without the GIL by _wait_handoff */
+    PyObject *handoff;           /* callable(start, events), or NULL */
+    long long handoff_next;      /* the first seq not handed off yet */
+    long long handoff_batch;     /* hand off once this many wait */
+    long long handoff_interval;  /* ... or once the oldest waited this long (ns) */
+    long long handoff_last;      /* CLOCK_MONOTONIC ns of the last hand-off (or of the set) */
+    char handoff_on;             /* a hand-off is set */
+    char handoff_busy;           /* the hand-off runs: no nested one */
 } LogCore;
+
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
+#define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+
+static long long mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
 
 static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts_ns", "rank") */
 static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
@@ -56,6 +83,7 @@ static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->pending);
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
+    Py_VISIT(self->handoff);
     return 0;
 }
 
@@ -68,6 +96,8 @@ static int core_clear(LogCore *self) {
     Py_CLEAR(self->blocking);
     Py_CLEAR(self->pending);
     Py_CLEAR(self->acquire);
+    STORE(self->handoff_on, 0);
+    Py_CLEAR(self->handoff);
     return 0;
 }
 
@@ -206,6 +236,49 @@ static int deliver(LogCore *self, PyObject *ev) {
     return 0;
 }
 
+/* Hand the events [handoff_next, published) to the hand-off callable, as
+ * handoff(start, events). The caller holds the lock. Events the ring no longer holds are
+ * skipped (start then lies above what the receivers took: they count the gap as lost).
+ * -1 when the callable raised (receivers catch their own errors: only a
+ * BaseException gets here). */
+static int handoff_run(LogCore *self) {
+    if (!self->handoff || self->handoff_busy)
+        return 0;
+    long long start = self->handoff_next, end = self->published;
+    if (end <= start)
+        return 0;
+    Py_ssize_t size = PyList_GET_SIZE(self->ring);
+    if (end - start > size)
+        start = end - size;
+    PyObject *batch = PyList_New((Py_ssize_t)(end - start));
+    if (!batch)
+        return -1;
+    for (long long s = start; s < end; s++) {
+        PyObject *ev = PyList_GET_ITEM(self->ring, (Py_ssize_t)(s & (long long)(size - 1)));
+        Py_INCREF(ev);
+        PyList_SET_ITEM(batch, (Py_ssize_t)(s - start), ev);
+    }
+    PyObject *start_obj = PyLong_FromLongLong(start);
+    if (!start_obj) {
+        Py_DECREF(batch);
+        return -1;
+    }
+    STORE(self->handoff_next, end); /* taken, whatever the callable does with them */
+    STORE(self->handoff_last, mono_ns());
+    PyObject *fn = self->handoff;
+    Py_INCREF(fn);
+    self->handoff_busy = 1;
+    PyObject *r = PyObject_CallFunctionObjArgs(fn, start_obj, batch, NULL);
+    self->handoff_busy = 0;
+    Py_DECREF(fn);
+    Py_DECREF(start_obj);
+    Py_DECREF(batch);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 /* Store event `seq` (its seq already spent): the retained deque, room in every blocking
  * runner, the ring, `published`; then deliver it, or queue it when subscribers are
  * running (an emit from one of them), and deliver what was queued meanwhile. The caller
@@ -231,7 +304,7 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
     PyList_SET_ITEM(self->ring, slot, ev);
     Py_XDECREF(old);
     if (self->published < seq + 1) /* never backwards, whatever ran in between */
-        self->published = seq + 1;
+        STORE(self->published, seq + 1);
     if (self->dispatching) {
         r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
         if (!r)
@@ -256,6 +329,12 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
         Py_DECREF(next);
     }
     self->dispatching = 0;
+    if (rc == 0 && self->handoff && !self->handoff_busy) {
+        long long waiting = self->published - self->handoff_next;
+        if (waiting >= self->handoff_batch ||
+            (waiting > 0 && mono_ns() - self->handoff_last >= self->handoff_interval))
+            rc = handoff_run(self);
+    }
     return rc;
 }
 
@@ -354,7 +433,122 @@ out:
     return ev;
 }
 
+/* _set_handoff(fn, next, batch, interval): hand events from seq `next` on to fn(start,
+ * events) every `batch` events or `interval` seconds; fn None stops handing off. */
+static PyObject *core_set_handoff(LogCore *self, PyObject *args) {
+    PyObject *fn;
+    long long next, batch;
+    double interval;
+    if (!PyArg_ParseTuple(args, "OLLd:_set_handoff", &fn, &next, &batch, &interval))
+        return NULL;
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_Format(PyExc_TypeError, "_set_handoff(): the hand-off must be callable or None, got %.100s",
+                     Py_TYPE(fn)->tp_name);
+        return NULL;
+    }
+    if (!self->ring) {
+        PyErr_SetString(PyExc_RuntimeError, "_set_handoff() on an EventLog whose __init__ did not run");
+        return NULL;
+    }
+    if (batch < 1 || batch > PyList_GET_SIZE(self->ring) / 2) {
+        PyErr_Format(PyExc_ValueError, "hand-off batch must be between 1 and half the ring (%zd), got %lld",
+                     PyList_GET_SIZE(self->ring) / 2, batch);
+        return NULL;
+    }
+    if (!(interval > 0 && interval < 1e6)) {
+        PyErr_Format(PyExc_ValueError, "hand-off interval must be above 0 seconds (and sane), got %R",
+                     PyTuple_GET_ITEM(args, 3));
+        return NULL;
+    }
+    if (next < 0) {
+        PyErr_Format(PyExc_ValueError, "hand-off start must be a seq >= 0, got %lld", next);
+        return NULL;
+    }
+    STORE(self->handoff_on, 0);
+    if (fn == Py_None) {
+        Py_CLEAR(self->handoff);
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(fn);
+    Py_XSETREF(self->handoff, fn);
+    self->handoff_batch = batch;
+    self->handoff_interval = (long long)(interval * 1e9);
+    STORE(self->handoff_next, next);
+    STORE(self->handoff_last, mono_ns());
+    STORE(self->handoff_on, 1);
+    Py_RETURN_NONE;
+}
+
+/* _handoff_now(): hand off whatever waits, now (the caller holds the lock). */
+static PyObject *core_handoff_now(LogCore *self, PyObject *Py_UNUSED(arg)) {
+    if (handoff_run(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* _wait_handoff(timeout, stop_fd, out_fd) -> 0 timed out, 1 a hand-off is due (events
+ * waited `interval` and the producer did not hand them off), 2 out_fd is writable (or
+ * broken: the write says which), 3 stop_fd is readable. Sleeps without the GIL: a watcher
+ * of an idle producer, which costs a busy producer nothing. out_fd -1: none. */
+static PyObject *core_wait_handoff(LogCore *self, PyObject *args) {
+    double timeout;
+    int stop_fd, out_fd;
+    if (!PyArg_ParseTuple(args, "dii:_wait_handoff", &timeout, &stop_fd, &out_fd))
+        return NULL;
+    if (!(timeout >= 0 && timeout < 1e6)) {
+        PyErr_Format(PyExc_ValueError, "_wait_handoff(): timeout must be >= 0 seconds, got %R", PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+    long long deadline = mono_ns() + (long long)(timeout * 1e9);
+    int code = 0, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (;;) {
+        long long now = mono_ns();
+        long long interval = LOAD(self->handoff_interval);
+        long long waiting = LOAD(self->handoff_on) ? LOAD(self->published) - LOAD(self->handoff_next) : 0;
+        long long due = LOAD(self->handoff_last) + interval;
+        if (waiting > 0 && now >= due) {
+            code = 1;
+            break;
+        }
+        if (now >= deadline)
+            break;
+        long long wait = deadline - now;
+        long long look = waiting > 0 ? due - now : interval; /* nothing waits: look again later */
+        if (look > 0 && look < wait)
+            wait = look;
+        struct pollfd fds[2] = {{stop_fd, POLLIN, 0}, {out_fd, POLLOUT, 0}};
+        int n = poll(fds, out_fd >= 0 ? 2 : 1, (int)((wait + 999999) / 1000000));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (n > 0 && fds[0].revents) {
+            code = 3;
+            break;
+        }
+        if (n > 0 && out_fd >= 0 && fds[1].revents) {
+            code = 2;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromLong(code);
+}
+
 static PyMethodDef core_methods[] = {
+    {"_set_handoff", (PyCFunction)core_set_handoff, METH_VARARGS,
+     "_set_handoff(fn, next, batch, interval): hand events from seq next on to fn(start, events)."},
+    {"_handoff_now", (PyCFunction)core_handoff_now, METH_NOARGS,
+     "Hand off whatever waits, now (the caller holds the log's lock)."},
+    {"_wait_handoff", (PyCFunction)core_wait_handoff, METH_VARARGS,
+     "_wait_handoff(timeout, stop_fd, out_fd) -> 0 timeout, 1 due, 2 out_fd writable, 3 stop_fd readable."},
     {"emit", (PyCFunction)(void (*)(void))core_emit, METH_FASTCALL | METH_KEYWORDS,
      "emit(cls, /, **fields)\n--\n\nCreate, append and deliver one event of type ``cls``."},
     {"_publish", (PyCFunction)core_publish, METH_O,
@@ -370,6 +564,7 @@ static PyMemberDef core_members[] = {
      "events stored in the ring; sink runners read seqs below it"},
     {"_dispatching", T_BOOL, offsetof(LogCore, dispatching), 0, "subscribers are running"},
     {"rank", T_OBJECT, offsetof(LogCore, rank), 0, "the rank stamped on every event"},
+    {"_handoff_next", T_LONGLONG, offsetof(LogCore, handoff_next), READONLY, "the first seq not handed off yet"},
     {NULL, 0, 0, 0, NULL},
 };
 

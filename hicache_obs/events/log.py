@@ -9,6 +9,10 @@ Operations:
   (bookkeeping folds, the live auditor); returns an unsubscribe callable
 - ``add_sink(sink)``: an asynchronous :class:`~hicache_obs.events.sinks.Sink`,
   fed in batches by a worker thread that reads the log's ring of recent events
+- ``attach_feeder(feeder)``: a receiver whose ``take(start, events)`` never blocks
+  (a sink host's pipe), handed batches from the producer's own thread every ``batch``
+  events or ``interval`` seconds: no worker thread, so no GIL hand-over while the
+  controller runs
 - ``events()``: the events still retained; ``overflowed``: how many the bound evicted
 
 Events emitted while subscribers run (an auditor's violation) are delivered after
@@ -66,6 +70,8 @@ class EventLog(LogCore):
         self._subscribers: list[Subscriber] = []
         self._subscriber_errors: dict[str, int] = {}
         self._sinks: list[Any] = []
+        self._feeders: list[Any] = []
+        self._feeder_cadence = (256, 0.05)
         self._lock = threading.RLock()
         self._dispatching = False
         self._pending: deque[Event] = deque()
@@ -133,6 +139,57 @@ class EventLog(LogCore):
             if runner.policy == "block":
                 self._blocking.append(runner)
         return runner
+
+    def attach_feeder(self, feeder: Any, *, backfill: bool = True, batch: int = 256, interval: float = 0.05) -> int:
+        """Hand every later event to ``feeder.take(start, events)``; returns the first seq it gets.
+
+        The outermost ``emit``/``append`` hands the events published since the last
+        hand-off over, from the producer's thread and under the log's lock, once ``batch``
+        of them wait or the oldest waited ``interval`` seconds (the compiled
+        ``LogCore._set_handoff``). ``take`` must not block and must not raise: it is the
+        producer's time. A producer that goes idle leaves the rest to the feeder's own
+        watcher (``_wait_handoff`` sleeps without the GIL until a hand-off is due, then
+        ``_handoff_now`` under the lock). With ``backfill`` the feeder first gets the recent
+        events the ring still holds, as ``add_sink`` does. Several feeders share one
+        cadence: the smallest ``batch`` and ``interval`` asked for. The feeder is listed in
+        :attr:`sinks` (``flush``/``close`` of the log reach it).
+        """
+        if not callable(getattr(feeder, "take", None)):
+            raise ConfigError(f"a feeder needs a take(start, events) method, got {type(feeder).__name__}")
+        if not 1 <= batch <= self.ring_size // 2:
+            raise ConfigError(f"feeder batch must be between 1 and {self.ring_size // 2} events, got {batch}")
+        if not 0 < interval <= 3600:
+            raise ConfigError(f"feeder interval must be above 0 and at most 3600 seconds, got {interval}")
+        with self._lock:
+            start = max(0, self.published - self.ring_size // 2) if backfill else self.published
+            handoff_from = start
+            if self._feeders:  # the others were handed everything below _handoff_next
+                handoff_from = self._handoff_next
+                if start < handoff_from:
+                    feeder.take(start, [self._ring[i & self._mask] for i in range(start, handoff_from)])
+                batch = min(batch, self._feeder_cadence[0])
+                interval = min(interval, self._feeder_cadence[1])
+            self._feeder_cadence = (batch, interval)
+            self._feeders.append(feeder)
+            self._sinks.append(feeder)
+            self._set_handoff(self._handoff, handoff_from, batch, interval)
+        return start
+
+    def detach_feeder(self, feeder: Any) -> None:
+        """Stop handing events to ``feeder`` (what it was handed stays handed)."""
+        with self._lock:
+            if feeder in self._feeders:
+                self._feeders.remove(feeder)
+            if not self._feeders:
+                self._set_handoff(None, 0, 1, 1.0)
+
+    def _handoff(self, start: int, events: list[Event]) -> None:
+        for feeder in list(self._feeders):
+            try:
+                feeder.take(start, events)
+            except Exception:  # a feeder's own errors are its to count; this is the backstop
+                name = getattr(feeder, "name", feeder)
+                _log.exception("feeder %s failed on events %d..%d", name, start, start + len(events) - 1)
 
     @property
     def sinks(self) -> list[Any]:
