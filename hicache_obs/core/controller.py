@@ -283,12 +283,15 @@ class HiCacheController:
         dev = self.runtime.tensor_device(t)
         if runs is None and dev == "cpu":
             runs = runs_of(t.numpy())  # int64 (validated): never requires grad
-        # metadata only: skip a tensor subclass's __torch_function__ (the sim runtime's
-        # costs ~6 us a call, and a description reads four attributes)
-        with _PLAIN_TENSOR_CALLS():
+        if type(t) is torch.Tensor:  # no __torch_function__ to skip
             numel = t.numel()
             dtype = t.dtype
             ptr = t.data_ptr() if numel else 0
+        else:  # metadata only: skip a subclass's __torch_function__ (the sim runtime's costs ~6 us a call)
+            with _PLAIN_TENSOR_CALLS():
+                numel = t.numel()
+                dtype = t.dtype
+                ptr = t.data_ptr() if numel else 0
         return TensorRef(
             pool=pool,
             role=role,  # type: ignore[arg-type]  # "host" | "device", checked by callers
