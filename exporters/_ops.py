@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from hicache_obs.events.schema import (
     AllocationFailed,
@@ -206,40 +207,53 @@ class OpTable:
         pending = self._pending.get(ev.rank)
         if pending and not (isinstance(ev, AuditViolation) and (ev.rank, ev.op) in pending):
             settled = self._settle(ev.rank)
-        rec: OpRecord | None = None
-        if type(ev) in _NOT_OP_EVENTS:  # most of a log: allocations and frees
-            return rec, settled
-        if isinstance(ev, OperationQueued):
-            self._queued[(ev.rank, ev.op)] = ev.ts_ns
-        elif isinstance(ev, OperationsMerged):
-            rec = self._record(ev.rank, ev.op, ev.direction)
-            rec.merged_ops = ev.merged_ops
-            rec.node_ids = ev.node_ids
-            rec.merged_ns = ev.ts_ns
-            times = [t for t in (self._queued.pop((ev.rank, o), None) for o in ev.merged_ops) if t is not None]
-            if times:
-                rec.queued_ns = min(times)
-        elif isinstance(ev, IndicesMoved):
-            rec = self._record(ev.rank, ev.op)
-            rec.moves.append(ev)
-        elif isinstance(ev, StreamRecorded):
-            rec = self._record(ev.rank, ev.op)
-            rec.records.append(ev)
-        elif isinstance(ev, TransferSubmitted):
-            rec = self._record(ev.rank, ev.op, ev.direction)
-            rec.submit = ev
-        elif isinstance(ev, (TransferCompleted, TransferFailed)):
-            rec = self._record(ev.rank, ev.op, ev.direction)
-            rec.done = ev
-            if self.live:
-                self._pending.setdefault(ev.rank, {})[rec.key] = rec
-        elif isinstance(ev, AuditViolation):
-            rec = self.ops.get((ev.rank, ev.op)) if ev.op >= 0 else None
-            if rec is not None:
-                rec.violations.append(ev)
-            elif ev.op >= 0:
-                self.late_violations += 1
-        return rec, settled
+        fold = _FOLD.get(type(ev))
+        return (fold(self, ev) if fold is not None else None), settled
+
+    # one fold per event type (a dict lookup, not a chain of isinstance checks); each
+    # returns the record the event touched
+    def _fold_queued(self, ev: OperationQueued) -> None:
+        self._queued[(ev.rank, ev.op)] = ev.ts_ns
+
+    def _fold_merged(self, ev: OperationsMerged) -> OpRecord:
+        rec = self._record(ev.rank, ev.op, ev.direction)
+        rec.merged_ops = ev.merged_ops
+        rec.node_ids = ev.node_ids
+        rec.merged_ns = ev.ts_ns
+        times = [t for t in (self._queued.pop((ev.rank, o), None) for o in ev.merged_ops) if t is not None]
+        if times:
+            rec.queued_ns = min(times)
+        return rec
+
+    def _fold_moved(self, ev: IndicesMoved) -> OpRecord:
+        rec = self._record(ev.rank, ev.op)
+        rec.moves.append(ev)
+        return rec
+
+    def _fold_recorded(self, ev: StreamRecorded) -> OpRecord:
+        rec = self._record(ev.rank, ev.op)
+        rec.records.append(ev)
+        return rec
+
+    def _fold_submitted(self, ev: TransferSubmitted) -> OpRecord:
+        rec = self._record(ev.rank, ev.op, ev.direction)
+        rec.submit = ev
+        return rec
+
+    def _fold_done(self, ev: TransferCompleted | TransferFailed) -> OpRecord:
+        rec = self._record(ev.rank, ev.op, ev.direction)
+        rec.done = ev
+        if self.live:
+            self._pending.setdefault(ev.rank, {})[rec.key] = rec
+        return rec
+
+    def _fold_violation(self, ev: AuditViolation) -> OpRecord | None:
+        rec = self.ops.get((ev.rank, ev.op)) if ev.op >= 0 else None
+        if rec is not None:
+            rec.violations.append(ev)
+        elif ev.op >= 0:
+            self.late_violations += 1
+        return rec
 
     def _settle(self, rank: int) -> list[OpRecord]:
         pending = self._pending.pop(rank, None)
@@ -264,6 +278,18 @@ class OpTable:
 
 #: Event types that never touch an operation record.
 _NOT_OP_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed})
+
+#: How :meth:`OpTable.apply` folds each event type (types not listed touch no record).
+_FOLD: dict[type, Any] = {
+    OperationQueued: OpTable._fold_queued,
+    OperationsMerged: OpTable._fold_merged,
+    IndicesMoved: OpTable._fold_moved,
+    StreamRecorded: OpTable._fold_recorded,
+    TransferSubmitted: OpTable._fold_submitted,
+    TransferCompleted: OpTable._fold_done,
+    TransferFailed: OpTable._fold_done,
+    AuditViolation: OpTable._fold_violation,
+}
 
 
 def fold_ops(events: Iterable[Event]) -> tuple[list[OpRecord], list[AuditViolation]]:
