@@ -183,6 +183,8 @@ class HiCacheController:
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
         self._detail = event_detail == "full"
+        #: (id(tensor), pool, role) -> the TensorRef the submission in progress described
+        self._submitted_refs: dict[tuple[int, str, str], TensorRef] = {}
         self._native_copies = getattr(self.runtime, "native_copies", None) is not None
         self._lock = threading.RLock()
         self._closed = False
@@ -709,7 +711,7 @@ class HiCacheController:
         """``known``: the runs of the values moved, read before the move (``None``: unknown)."""
         if not self._detail:
             return
-        self._emit(
+        self.log.emit(  # not folded by the bookkeeping: no need of _emit's immediate fold
             IndicesMoved,
             op=op,
             pool=pool,
@@ -744,9 +746,9 @@ class HiCacheController:
             if rt.is_device(t):
                 rt.record_stream(t, stream)
                 if self._detail:
-                    self._emit(
-                        StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=self._ref(t, pool, role)
-                    )
+                    # the submission just described this tensor (the same pool and role)
+                    ref = self._submitted_refs.get((id(t), pool, role)) or self._ref(t, pool, role)
+                    self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=ref)
 
     # ----------------------------------------------------------- submission
     def _pairs(self, op: CacheOperation) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -802,6 +804,12 @@ class HiCacheController:
         )
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
         ack = _PendingAck(op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id)
+        if refs:  # the stream records below describe the same tensors: _record_pair reuses these
+            self._submitted_refs = {
+                key: ref
+                for (pool, h, d, _), rh, rd in zip(pairs, refs[0::2], refs[1::2])
+                for key, ref in (((id(h), pool, "host"), rh), ((id(d), pool, "device"), rd))
+            }
         try:
             with rt.use(stream):
                 start.wait(stream)
@@ -823,6 +831,8 @@ class HiCacheController:
             finish = rt.event(self.enable_timing)
             finish.record()
             ack.finish = finish
+        finally:
+            self._submitted_refs = {}  # keyed by id(): valid only during this submission
         if direction == H2D and producer_id >= 0:
             self.layer_done_counter.set_finish_event(producer_id, ack.finish)
         self._acks[direction].append(ack)

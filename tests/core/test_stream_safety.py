@@ -115,3 +115,44 @@ def test_unrecorded_sidecar_indices_misdirect_the_backup(make_controller, cache_
     intact = cache_kit.same(cache_kit.read_host(c, host), data)
     del pressure
     assert intact is (cls is HybridCacheController)
+
+
+def _detail_log(spec_name: str, fault: str | None) -> list[object]:
+    """The events of a full-detail workload, with header times, pointers and durations left out."""
+    import msgspec
+
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.events import EventLog
+    from hicache_obs.testing import make_controller
+    from hicache_obs.workload import Workload, controller_options
+
+    spec = ModelSpec.preset(spec_name)
+    log = EventLog(capacity=None)
+    c = make_controller(spec, fault=fault, log=log, runtime="sim", event_detail="full", **controller_options(spec))
+    Workload(c, seed=5).run(80)
+    assert not c._submitted_refs  # nothing keyed by id() outlives a submission
+    c.close()
+
+    def strip(x: object) -> object:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("ts_ns", "ptr", "duration_ns", "layer_durations_ns")}
+        if isinstance(x, (list, tuple)):
+            return [strip(v) for v in x]
+        return x
+
+    return [strip(msgspec.to_builtins(e)) for e in log.events()]
+
+
+@pytest.mark.parametrize("spec_name", ["tiny_hybrid", "tiny_swa"])
+@pytest.mark.parametrize("fault", [None, "unrecorded-pool-indices"])
+def test_stream_records_reuse_the_submissions_descriptions_exactly(
+    spec_name: str, fault: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_obs.core.controller import HiCacheController
+
+    reused = _detail_log(spec_name, fault)
+    assert sum(1 for e in reused if e["type"] == "StreamRecorded") > 20  # type: ignore[index]
+    # every stream record describes its tensor anew: what the reuse must equal
+    monkeypatch.setattr(HiCacheController, "_submitted_refs", property(lambda self: {}, lambda self, v: None), raising=False)
+    fresh = _detail_log(spec_name, fault)
+    assert reused == fresh
