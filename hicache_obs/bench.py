@@ -535,7 +535,7 @@ def run_bench(
     }
     if "overhead" in sections:
         say("overhead")
-        result["overhead"] = bench_overhead(steps=100 if quick else 300, rounds=3 if quick else 11)
+        result["overhead"] = bench_overhead(steps=100 if quick else 300, rounds=3 if quick else 15)
     if "events" in sections:
         say("events")
         result["events"] = bench_events(n=50_000 if quick else 200_000, rounds=3 if quick else 5)
