@@ -421,9 +421,9 @@ class SinkHost:
 class HostFeeder:
     """Feeds a :class:`SinkHost` from the producer's own thread (``EventLog.attach_feeder``).
 
-    The log hands it every ``batch`` events (or what waited ``interval`` seconds) while
-    the producer emits; :meth:`take` encodes them into one frame and writes what the pipe
-    takes without waiting. No worker thread runs while the controller works, so the
+    The log hands it every ``batch`` events (or what waits, ``interval`` seconds after the
+    last hand-off) while the producer emits; :meth:`take` encodes them into one frame and
+    writes what the pipe takes without waiting. No worker thread runs while the controller works, so the
     controller never waits for the GIL to come back from one. A watcher thread sleeps
     without the GIL in ``_wait_handoff`` and acts only when the producer is idle with
     events waiting, or when frames wait for room in the pipe.
@@ -630,9 +630,9 @@ def add_sink_host(
 ) -> HostFeeder:
     """Start a :class:`SinkHost` and feed it from ``log`` (a :class:`HostFeeder`); returns the feeder.
 
-    ``batch`` / ``interval``: the log hands events over once that many wait or the
-    oldest waited that long. The feeder makes the producer wait (up to its
-    ``block_timeout``) rather than drop when the host holds a durable store, as
+    ``batch`` / ``interval``: the log hands events over once that many wait, or once
+    that long passed since the last hand-off. The feeder makes the producer wait (up to
+    its ``block_timeout``) rather than drop when the host holds a durable store, as
     :func:`~hicache_obs.events.store.open_store` does, and is closed at exit then.
     """
     specs = _check_specs(sinks)

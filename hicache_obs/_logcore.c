@@ -21,8 +21,8 @@
  * Hand-off (feeders: a sink host's pipe, fed from the producer's own thread, with no worker
  * thread and so no GIL hand-over while the controller runs): once a hand-off callable is
  * set, the outermost publish calls it as handoff(start, events) with the ring's events
- * [handoff_next, published) when `batch` of them wait or the oldest waited `interval`
- * (CLOCK_MONOTONIC), under the log's lock. _handoff_now() does it at once (flush, close);
+ * [handoff_next, published) when `batch` of them wait or `interval` passed since the last
+ * hand-off (CLOCK_MONOTONIC), under the log's lock. _handoff_now() does it at once (flush, close);
  * _wait_handoff() lets a watcher thread sleep without the GIL until a hand-off is due
  * while the producer is idle (or a stop fd is readable, or an out fd writable).
  *
@@ -54,7 +54,7 @@ typedef struct {
     PyObject *handoff;           /* callable(start, events), or NULL */
     long long handoff_next;      /* the first seq not handed off yet */
     long long handoff_batch;     /* hand off once this many wait */
-    long long handoff_interval;  /* ... or once the oldest waited this long (ns) */
+    long long handoff_interval;  /* ... or once this long (ns) passed since the last one */
     long long handoff_last;      /* CLOCK_MONOTONIC ns of the last hand-off (or of the set) */
     char handoff_on;             /* a hand-off is set */
     char handoff_busy;           /* the hand-off runs: no nested one */
@@ -487,7 +487,7 @@ static PyObject *core_handoff_now(LogCore *self, PyObject *Py_UNUSED(arg)) {
 }
 
 /* _wait_handoff(timeout, stop_fd, out_fd) -> 0 timed out, 1 a hand-off is due (events
- * waited `interval` and the producer did not hand them off), 2 out_fd is writable (or
+ * wait and `interval` passed since the last hand-off: the producer went idle), 2 out_fd is writable (or
  * broken: the write says which), 3 stop_fd is readable. Sleeps without the GIL: a watcher
  * of an idle producer, which costs a busy producer nothing. out_fd -1: none. */
 static PyObject *core_wait_handoff(LogCore *self, PyObject *args) {

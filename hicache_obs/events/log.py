@@ -145,7 +145,7 @@ class EventLog(LogCore):
 
         The outermost ``emit``/``append`` hands the events published since the last
         hand-off over, from the producer's thread and under the log's lock, once ``batch``
-        of them wait or the oldest waited ``interval`` seconds (the compiled
+        of them wait or ``interval`` seconds passed since the last hand-off (the compiled
         ``LogCore._set_handoff``). ``take`` must not block and must not raise: it is the
         producer's time. A producer that goes idle leaves the rest to the feeder's own
         watcher (``_wait_handoff`` sleeps without the GIL until a hand-off is due, then
