@@ -759,10 +759,14 @@ def _feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[s
             print(f"hicache sink host: sink {s.name} failed on a batch: {exc!r}", file=sys.stderr, flush=True)
 
 
+_READY_CPU = [0.0]  # the child's process_time() when it said it was ready
+
+
 def _stats(
     sinks: list[Any], events: int, batches: int, errors: dict[str, int], audit: _HostAudit | None = None
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"events": events, "batches": batches, "errors": dict(errors)}
+    out["cpu_s"] = time.process_time() - _READY_CPU[0]  # the host's CPU time since it was ready
     if audit is not None:
         out["violations"] = audit.auditor.counts()
     for s in sinks:
@@ -819,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     # all set-up done before the parent hears "ready": none of it runs beside its work
     gc.collect()
     gc.freeze()  # what start-up built stays: later collections skip it
+    _READY_CPU[0] = time.process_time()
     say(ready)
     inp = sys.stdin.buffer
     events = batches = 0

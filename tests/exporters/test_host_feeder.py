@@ -67,6 +67,7 @@ def test_batches_go_from_the_producers_thread_and_a_flush_settles_the_rest() -> 
     assert feeder.handled == 200 and feeder.stats()["queued"] == 50  # two batches written, 50 wait
     assert feeder.flush()
     assert feeder.sink.stats["events"] == 250 == feeder.handled
+    assert feeder.sink.stats["cpu_s"] > 0  # the host's own CPU time since it was ready
     log.close()
     assert feeder.stats() == {"offered": 250, "handled": 250, "dropped": 0, "errors": 0, "queued": 0}
     assert feeder.sink.stats["events"] == 250
