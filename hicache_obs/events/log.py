@@ -146,11 +146,12 @@ class EventLog(LogCore):
         The outermost ``emit``/``append`` hands the events published since the last
         hand-off over, from the producer's thread and under the log's lock, once ``batch``
         of them wait or ``interval`` seconds passed since the last hand-off (the compiled
-        ``LogCore._set_handoff``). ``take`` must not block and must not raise: it is the
-        producer's time. A producer that goes idle leaves the rest to the feeder's own
-        watcher (``_wait_handoff`` sleeps without the GIL until a hand-off is due, then
-        ``_handoff_now`` under the lock). With ``backfill`` the feeder first gets the recent
-        events the ring still holds, as ``add_sink`` does. Several feeders share one
+        ``LogCore._set_handoff``). ``take`` runs on the producer's time: it must not block
+        beyond a bound of its own, and what it raises is logged here and goes no further.
+        A producer that goes idle leaves the rest to the feeder's own watcher
+        (``_wait_handoff`` sleeps without the GIL until a hand-off is due, then
+        ``_handoff_now`` under the lock). With ``backfill`` the feeder first gets the
+        recent events the ring still holds, as ``add_sink`` does. Several feeders share one
         cadence: the smallest ``batch`` and ``interval`` asked for. The feeder is listed in
         :attr:`sinks` (``flush``/``close`` of the log reach it).
         """
