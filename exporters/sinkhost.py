@@ -468,12 +468,15 @@ class HostFeeder:
         self._stopped_at: int | None = None
         self._last_report = 0.0
         self.next: int | None = None  # the next seq to take (None: the first hand-off says)
-        self._stop_r, self._stop_w = os.pipe()
+        # wakes the watcher: frames were left queued (it then waits for room in the pipe), or close
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._kicked = False
         try:
             self.start_seq = log.attach_feeder(self, backfill=backfill, batch=batch, interval=interval)
         except BaseException:
-            os.close(self._stop_r)
-            os.close(self._stop_w)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
             raise
         with log._lock:
             if self.next is None:
@@ -527,6 +530,9 @@ class HostFeeder:
             )
         except SinkHostError as exc:  # the child is gone: what was queued is counted as discarded
             self._failed("send", exc, len(events))
+        if host.queued_events and not self._kicked:  # the watcher writes the rest as the pipe drains
+            self._kicked = True
+            self._wake()
 
     def _failed(self, what: str, exc: BaseException, n: int) -> None:
         self.errors += 1
@@ -544,15 +550,22 @@ class HostFeeder:
             )
 
     # ---------------------------------------------------------- the watcher
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):  # a byte is waiting already / it is gone
+            os.write(self._wake_w, b"w")
+
     def _watch(self) -> None:
         log, host = self.log, self.sink
         try:
             while True:
                 out = host.out_fd if host.queued_events else -1
-                code = log._wait_handoff(1.0, self._stop_r, out)
-                if code == 3:
-                    return
-                if code == 1:  # the producer went idle with events waiting
+                code = log._wait_handoff(1.0, self._wake_r, out)
+                if code == 3:  # woken: close, or frames left queued (watched from the next wait on)
+                    os.read(self._wake_r, 4096)
+                    self._kicked = False
+                    if self._closed:
+                        return
+                elif code == 1:  # the producer went idle with events waiting
                     with log._lock:
                         if not self._closed:
                             log._handoff_now()
@@ -564,14 +577,15 @@ class HostFeeder:
         except Exception:  # the next hand-off, flush or close still sends what waits
             _log.exception("sink host %s: its watcher stopped", self.name)
         finally:
-            os.close(self._stop_r)
+            os.close(self._wake_r)
 
     # ------------------------------------------------------------ runner API
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Hand over what is published, then wait until the child handled it and flushed its sinks."""
         with self.log._lock:
-            if not self._closed:
-                self.log._handoff_now()
+            if self._closed:  # close flushed everything the feeder was offered
+                return True
+            self.log._handoff_now()
         try:
             self.sink.flush(timeout)
         except SinkHostError as exc:
@@ -589,7 +603,8 @@ class HostFeeder:
             log.detach_feeder(self)
             self._closed = True
             self._stopped_at = log.published
-        os.close(self._stop_w)  # the watcher wakes (its end reads end-of-file) and exits
+        self._wake()  # the watcher sees _closed and exits
+        os.close(self._wake_w)
         try:
             self.sink.close(timeout)
         except SinkHostError as exc:

@@ -81,16 +81,20 @@ def test_a_stalled_host_costs_counted_drops_and_the_producer_goes_on() -> None:
     feeder = HostFeeder(host, log, max_queue=2000, batch=256)
     os.kill(host.pid, signal.SIGSTOP)
     try:
-        _emit_n(log, 60_000)  # far more than the pipe (1 MiB) and the queue hold
+        _emit_n(log, 235 * 256)  # far more than the pipe (1 MiB) and the queue hold; whole batches
         st = feeder.stats()
         assert st["dropped"] > 0 and st["errors"] == 0 and _balanced(st)
         assert host.queued_events <= 2000  # the bound held
         assert st["handled"] > 0  # what the pipe took before it filled
     finally:
         os.kill(host.pid, signal.SIGCONT)
+    # the producer is idle and handed everything over: the watcher alone writes the
+    # queued frames as the child drains the pipe
+    assert feeder.lag() == host.queued_events > 0
+    assert _wait_until(lambda: host.queued_events == 0)
     assert feeder.flush()  # the child takes the rest and answers
     st = feeder.stats()
-    assert st["queued"] == 0 and _balanced(st) and st["offered"] == 60_000
+    assert st["queued"] == 0 and _balanced(st) and st["offered"] == 235 * 256
     assert host.stats["events"] == st["handled"]  # the child got exactly what was written
     _emit_n(log, 10)  # and carries on
     log.close()
