@@ -71,6 +71,7 @@ from typing import Any
 import msgspec
 
 from hicache_obs.errors import ConfigError, HiCacheError
+from hicache_obs.events.sinks import report_losses
 from hicache_obs.events.store import close_at_exit
 
 __all__ = ["SinkHost", "SinkHostError", "HostFeeder", "add_sink_host", "SINK_KINDS", "PIPE_BYTES"]
@@ -609,15 +610,7 @@ class HostFeeder:
             self.sink.close(timeout)
         except SinkHostError as exc:
             self._failed("close", exc, 0)
-        if self.dropped or self.errors:
-            _log.warning(
-                "sink %s closed: %d offered, %d handled, %d dropped, %d errors",
-                self.name,
-                self.offered,
-                self.handled,
-                self.dropped,
-                self.errors,
-            )
+        report_losses(self)
 
     def stats(self) -> dict[str, int]:
         end = self._stopped_at if self._stopped_at is not None else self.log.published

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .schema import Event
 
-__all__ = ["Sink", "BatchSink", "SinkRunner", "ListSink"]
+__all__ = ["Sink", "BatchSink", "SinkRunner", "ListSink", "report_losses"]
 
 _log = logging.getLogger("hicache_obs.sinks")
 
@@ -221,15 +221,7 @@ class SinkRunner:
             self.dropped += left
             self.next = self._stopped_at
         self._bounded(self.sink.close, "close", None if timeout is None else time.monotonic() + timeout)
-        if self.dropped or self.errors:
-            _log.warning(
-                "sink %s closed: %d offered, %d handled, %d dropped, %d errors",
-                self.name,
-                self.offered,
-                self.handled,
-                self.dropped,
-                self.errors,
-            )
+        report_losses(self)
 
     def _bounded(self, fn: Any, what: str, deadline: float | None) -> bool:
         """Run the sink's ``flush``/``close`` on a helper thread, waiting until ``deadline``.
@@ -265,3 +257,16 @@ class SinkRunner:
             "errors": self.errors,
             "queued": max(0, (self._stopped_at or self.log.published) - self.next),
         }
+
+
+def report_losses(runner: Any) -> None:
+    """At close: one warning with a runner's counts when it dropped events or met errors."""
+    if runner.dropped or runner.errors:
+        _log.warning(
+            "sink %s closed: %d offered, %d handled, %d dropped, %d errors",
+            runner.name,
+            runner.offered,
+            runner.handled,
+            runner.dropped,
+            runner.errors,
+        )

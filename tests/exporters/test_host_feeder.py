@@ -120,7 +120,7 @@ def test_a_blocking_feeder_makes_the_producer_wait_then_drops() -> None:
     assert st["queued"] == 0 and _balanced(st) and host.stats["events"] == st["handled"]
 
 
-def test_a_dead_host_turns_batches_into_counted_errors() -> None:
+def test_a_dead_host_turns_batches_into_counted_errors(caplog: Any) -> None:
     log = EventLog()
     feeder = add_sink_host(log, [{"sink": "prometheus"}], batch=64)
     _emit_n(log, 100)
@@ -134,6 +134,7 @@ def test_a_dead_host_turns_batches_into_counted_errors() -> None:
     log.close()
     st = feeder.stats()
     assert st["offered"] == 1100 and st["handled"] + st["dropped"] == 1100 and st["queued"] == 0
+    assert f"sink sinkhost closed: 1100 offered, 100 handled, 1000 dropped, {st['errors']} errors" in caplog.text
 
 
 class Odd(msgspec.Struct, frozen=True, tag=True):
