@@ -260,8 +260,8 @@ class SinkHost:
                         break
             except SinkHostError as exc:
                 self._kill()
-                with self._wlock:
-                    self._discard(0)
+                with self._wlock:  # the child is gone, with everything still queued for it
+                    self._discard(0, begun_too=True)
                 raise SinkHostError(f"sink host pid {self.pid} did not close cleanly: {exc}") from None
             finally:
                 with self._wlock:

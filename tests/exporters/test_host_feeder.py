@@ -120,6 +120,20 @@ def test_a_blocking_feeder_makes_the_producer_wait_then_drops() -> None:
     assert st["queued"] == 0 and _balanced(st) and host.stats["events"] == st["handled"]
 
 
+def test_a_host_that_cannot_close_in_time_is_killed_and_what_it_had_queued_counted(caplog: Any) -> None:
+    log = EventLog()
+    host = SinkHost([{"sink": "prometheus"}])
+    feeder = HostFeeder(host, log, batch=256)
+    os.kill(host.pid, signal.SIGSTOP)  # never continued: close() has to give up on it
+    _emit_n(log, 100 * 256)  # more than the pipe holds: frames wait in the queue
+    assert host.queued_events > 0
+    feeder.close(timeout=0.2)
+    st = feeder.stats()
+    assert st["errors"] == 1 and st["queued"] == 0 and _balanced(st) and st["dropped"] > 0
+    assert host.wait(10) == -signal.SIGKILL
+    assert "did not close cleanly" in caplog.text
+
+
 def test_a_dead_host_turns_batches_into_counted_errors(caplog: Any) -> None:
     log = EventLog()
     feeder = add_sink_host(log, [{"sink": "prometheus"}], batch=64)
