@@ -536,10 +536,14 @@ class HostFeeder:
             self._wake()
 
     def _failed(self, what: str, exc: BaseException, n: int) -> None:
-        self.errors += 1
-        now = time.monotonic()
-        if self.errors == 1 or now - self._last_report >= 10.0:  # not a line per batch from a dead child
-            self._last_report = now
+        # the producer, the watcher and a flushing thread all count here: one at a time
+        with self.log._lock:
+            self.errors += 1
+            now = time.monotonic()
+            report = self.errors == 1 or now - self._last_report >= 10.0  # not a line per batch from a dead child
+            if report:
+                self._last_report = now
+        if report:
             _log.error(
                 "sink host %s: %s of %d events failed (%d errors, %d events dropped so far): %s",
                 self.name,
