@@ -25,6 +25,7 @@ __all__ = [
     "SequenceError",
     "LogFormatError",
     "ConfigError",
+    "IntegrationError",
 ]
 
 
@@ -102,3 +103,7 @@ class LogFormatError(HiCacheError, ValueError):
         super().__init__(message)
         self.file = file
         self.line = line
+
+
+class IntegrationError(HiCacheError, TypeError):
+    """An engine's controller cannot be instrumented: the message names what is missing."""

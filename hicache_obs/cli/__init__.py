@@ -8,6 +8,7 @@ Subcommands, one module each, every one with ``register(subparsers)`` and
 - ``inspect``: operations as a tree or a timeline (:mod:`.inspect`)
 - ``export``: Chrome trace / OTLP JSON from a log (:mod:`.export`)
 - ``bench``: overhead and bandwidth ratios measured side by side (:mod:`.bench`)
+- ``instrument``: run a command with SGLang's controllers instrumented (:mod:`.instrument`)
 
 Exit codes: 0 success (clean), 1 violations found, 2 usage error or unreadable
 input, 130 interrupted. Errors are one line on stderr, never a traceback.
@@ -28,7 +29,7 @@ from ._common import EXIT_USAGE, CliError, formatter
 __all__ = ["main", "build_parser", "COMMANDS"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-COMMANDS = ("demo", "audit", "inspect", "export", "bench")
+COMMANDS = ("demo", "audit", "inspect", "export", "bench", "instrument")
 
 _EPILOG = """\
 examples:
@@ -38,6 +39,7 @@ examples:
   hicache-obs inspect hicache-demo/ --violations-only
   hicache-obs export hicache-demo/ --chrome-trace trace.json
   hicache-obs bench --quick           overhead and bandwidth ratios
+  hicache-obs instrument -- python -m sglang.launch_server ...
 
 Run `hicache-obs COMMAND --help` for the options of each command.
 """

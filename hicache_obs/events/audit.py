@@ -5,7 +5,8 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 - ``unrecorded_index``: a device index tensor used by a transfer on a side stream
   had no ``record_stream`` on that stream before the op completed (SGLang #22940);
 - ``index_not_on_device``: the ``kernel`` io backend was handed an index tensor that
-  is not on the device;
+  is not on the device (unless the pool's copy moved it to the device itself, on the
+  transfer's stream: an ``IndicesMoved`` with that ``stream``);
 - ``length_mismatch``: a pool's host and device index tensors differ in length;
 - ``slot_not_allocated``: a transfer names a slot that is not allocated, or slots are
   freed while a submitted transfer still uses them (use after free, out of range);
@@ -116,7 +117,7 @@ def _overlaps(spans: tuple[list[int], list[int]], runs: Runs) -> bool:
 
 
 class _RankAudit:
-    __slots__ = ("inflight", "moved", "state", "tables")
+    __slots__ = ("inflight", "moved", "side_moves", "state", "tables")
 
     def __init__(self, fold_state: bool) -> None:
         # with a full CacheState the auditor's fold is also the replay's bookkeeping
@@ -125,6 +126,8 @@ class _RankAudit:
         self.inflight: dict[int, _InFlight] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
+        # op -> (pool, role) -> stream on which a pool's copy moved those indices to the device itself
+        self.side_moves: dict[int, dict[tuple[str, str], str]] = {}
 
 
 class Auditor:
@@ -335,12 +338,15 @@ class Auditor:
             )
 
     def _moved(self, ev: IndicesMoved, r: _RankAudit) -> None:
+        if ev.stream:
+            r.side_moves.setdefault(ev.op, {})[(ev.pool, ev.role)] = ev.stream
         if ev.tensor.indices is not None:
             r.moved[(ev.op, ev.pool, ev.role)] = ev.tensor.indices
 
     def _submitted(self, ev: TransferSubmitted, r: _RankAudit) -> None:
         device = ev.device or next((t.device for t in ev.tensors if t.device != "cpu"), "cpu")
         kernel_on_device = ev.io_backend == "kernel" and device != "cpu"
+        side = r.side_moves.pop(ev.op, {}) if r.side_moves else {}
         needs: dict[tuple[str, str], str] = {}
         used: dict[tuple[str, str], Runs] = {}
         by_pool: dict[str, dict[str, int]] = {}
@@ -350,7 +356,7 @@ class Auditor:
                 by_pool[t.pool] = {t.role: t.numel}
             else:
                 roles[t.role] = t.numel
-            if kernel_on_device and t.device != device:
+            if kernel_on_device and t.device != device and side.get((t.pool, t.role)) != ev.stream:
                 self._report(
                     "index_not_on_device",
                     t.pool,

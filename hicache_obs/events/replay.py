@@ -72,14 +72,18 @@ class ReplayResult:
 
 
 def expand_paths(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Files as given; folders expand to their ``events*.jsonl`` segments, sorted."""
+    """Files as given; folders expand to their ``events*.jsonl`` segments, sorted. A folder
+    without segments of its own expands to those of its subfolders (one folder per rank,
+    as ``hicache-obs instrument`` writes them)."""
     out: list[Path] = []
     for p in paths:
         path = Path(p)
         if path.is_dir():
-            segs = sorted(path.glob(SEGMENT_GLOB))
+            segs = sorted(path.glob(SEGMENT_GLOB)) or sorted(path.glob(f"*/{SEGMENT_GLOB}"))
             if not segs:
-                raise LogFormatError(f"{path}: folder holds no {SEGMENT_GLOB} segments", file=str(path))
+                raise LogFormatError(
+                    f"{path}: folder holds no {SEGMENT_GLOB} segments, nor do its subfolders", file=str(path)
+                )
             out.extend(segs)
         elif path.exists():
             out.append(path)

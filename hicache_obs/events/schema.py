@@ -141,6 +141,9 @@ class IndicesMoved(Event, frozen=True, kw_only=True):
     src_device: str
     dst_device: str
     tensor: TensorRef
+    # set when a pool's copy converted the indices itself, on this (the transfer's) stream:
+    # the new tensor was allocated on that stream, so it needs no record_stream there
+    stream: str = ""
 
 
 class StreamRecorded(Event, frozen=True, kw_only=True):

@@ -303,7 +303,8 @@ SPAWNING = re.compile(r"\bos\.(posix_spawnp?|fork|forkpty|exec\w*|spawn\w*)\s*\(
 
 
 def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
-    """One call site, running this Python on a fixed module with an argv list (no shell)."""
+    """One call site, running this Python on a fixed module with an argv list (no shell);
+    and ``hicache-obs instrument``, which replaces itself with the user's own COMMAND."""
     files = sorted(p for d in SOURCE_DIRS for p in d.rglob("*.py"))
     hits = [
         (f.relative_to(ROOT).as_posix(), line.strip())
@@ -311,7 +312,15 @@ def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
         for line in f.read_text(encoding="utf-8").splitlines()
         if SPAWNING.search(line)
     ]
-    assert hits == [("exporters/sinkhost.py", "self.pid = os.posix_spawn(")]
+    assert hits == [
+        ("exporters/sinkhost.py", "self.pid = os.posix_spawn("),
+        (
+            "hicache_obs/cli/instrument.py",
+            "os.execve(exe, command, env)  # replaces this process: signals and the exit status are COMMAND's",
+        ),
+    ]
+    launcher = (ROOT / "hicache_obs" / "cli" / "instrument.py").read_text(encoding="utf-8")
+    assert "exe = shutil.which(command[0])" in launcher  # the argv the user gave, no shell
     text = (ROOT / "exporters" / "sinkhost.py").read_text(encoding="utf-8")
     assert (
         'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", json.dumps(self.specs)]'

@@ -1,0 +1,99 @@
+"""``hicache-obs instrument [options] -- COMMAND ...``: run COMMAND with every SGLang
+HiCache controller it creates, in it and in the processes it spawns, instrumented.
+
+In the manner of ``opentelemetry-instrument``: the command puts a ``sitecustomize``
+first on ``PYTHONPATH`` and replaces itself with COMMAND; every Python process that
+inherits the environment (SGLang's scheduler processes, one per TP rank) then
+instruments the controllers it builds. Rank N serves ``/metrics`` on
+``127.0.0.1:BASE+N`` and writes its log under ``DIR/rank-N/``. Python processes need
+``hicache-obs`` importable (installed in the environment that runs SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ._common import EXIT_USAGE, CliError, formatter
+
+__all__ = ["register", "run", "child_environment"]
+
+_EPILOG = """\
+examples:
+  hicache-obs instrument -- python -m sglang.launch_server --model-path M
+  hicache-obs instrument --metrics-port 9400 --out runs/today -- python serve.py
+  hicache-obs audit runs/today/       every rank's log, one report
+
+rank N serves /metrics on 127.0.0.1:BASE+N and logs under DIR/rank-N/
+"""
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 1..65535, got {n}")
+    return n
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "instrument",
+        help="run a command with SGLang's HiCache controllers instrumented",
+        description="Run COMMAND so that every SGLang HiCache controller created in it, or in a "
+        "process it spawns, is instrumented: metrics, event log, audit and spans per TP rank.",
+        epilog=_EPILOG,
+        formatter_class=formatter,
+    )
+    p.add_argument("--metrics-port", type=_port, default=9400, metavar="BASE",
+                   help="rank N serves /metrics on 127.0.0.1:BASE+N (default 9400)")
+    p.add_argument("--out", default="hicache-obs-sglang", metavar="DIR",
+                   help="folder of the logs, one rank-N/ folder per rank (default ./hicache-obs-sglang)")
+    p.add_argument("--otlp-endpoint", metavar="URL", default=None,
+                   help="send spans to this OTLP/HTTP collector (default: OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
+    p.set_defaults(func=run)
+
+
+def boot_dir() -> str:
+    return str(Path(__file__).resolve().parent.parent / "integrations" / "sglang" / "_boot")
+
+
+def child_environment(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, str]:
+    """COMMAND's environment: the current one with the instrumentation switched on."""
+    from ..integrations.sglang.launcher import ENV
+
+    env = dict(os.environ if env is None else env)
+    env[ENV["enable"]] = "1"
+    env[ENV["metrics_port"]] = str(args.metrics_port)
+    env[ENV["out"]] = str(Path(args.out).resolve())
+    if args.otlp_endpoint:
+        env[ENV["otlp_endpoint"]] = args.otlp_endpoint
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = boot_dir() + (os.pathsep + old if old else "")
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError("instrument: no COMMAND given (hicache-obs instrument [options] -- COMMAND ...)", EXIT_USAGE)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    exe = shutil.which(command[0])
+    if exe is None:
+        raise CliError(f"instrument: command not found: {command[0]!r}", 127)
+    env = child_environment(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(exe, command, env)  # replaces this process: signals and the exit status are COMMAND's
+    return 0  # not reached

@@ -1,0 +1,1 @@
+"""Adapters that attach hicache-obs to real engines' cache controllers."""

@@ -1,0 +1,17 @@
+"""Instrument SGLang's own HiCache controllers: drop-in, no source edits.
+
+``instrument(controller)`` attaches an event log to one live SGLang
+``HiCacheController`` or ``HybridCacheController`` (releases 0.5.10 to 0.5.23, by
+feature detection); ``detach()`` restores it. Everything it reports comes from calls
+it observed at the controller's boundaries (see :mod:`.adapter`).
+``hicache_obs.integrations.sglang.testing`` builds real SGLang controllers on a CPU.
+SGLang itself is never imported here: the adapter works on the instance it is given.
+"""
+
+from ...errors import IntegrationError
+from .adapter import Instrumentation, instrument, instrumentation_of
+
+__all__ = ["Instrumentation", "IntegrationError", "instrument", "instrumentation_of", "SUPPORTED_RELEASES"]
+
+#: The SGLang releases the tests run on (the adapter detects features, not versions).
+SUPPORTED_RELEASES = ("0.5.10", "0.5.11", "0.5.23")

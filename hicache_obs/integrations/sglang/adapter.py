@@ -1,0 +1,806 @@
+"""Attach the event log to one live SGLang HiCache controller, without editing SGLang.
+
+Everything the adapter reports it observed at a boundary of the real controller:
+
+- ``write_queue`` / ``load_queue`` become list subclasses: an ``append`` is an
+  ``OperationQueued``;
+- ``start_writing`` / ``start_loading`` are wrapped on the instance: the call is one
+  submission (``OperationsMerged``, ``IndicesMoved``, ``TransferSubmitted``,
+  ``StreamRecorded``; ``TransferFailed`` when it raises);
+- the op-level index move (``_move_write_operation``/``_move_op_indices`` from 0.5.2x,
+  ``move_hybrid_indices`` from 0.5.11, ``move_indices(op)`` in 0.5.10) gives the merged
+  op and the tensors before and after the move;
+- each host pool's copy methods (``backup_from_device_all_layer[_physical]``,
+  ``load_to_device_per_layer[_physical]``) give the index tensors each pool's copy
+  really received: those are the submission's tensors;
+- ``torch.Tensor.record_stream`` is observed process-wide while any controller is
+  instrumented (calls from other code pass straight through): a ``StreamRecorded`` is
+  emitted only for a record really made, for that tensor and that stream;
+- ``ack_write_queue`` / ``ack_load_queue`` become list subclasses: an ack taken out
+  (``pop``, ``del``) is a ``TransferCompleted``; ``clear()`` (a reset) fails what was in
+  flight;
+- the device and host allocators' ``alloc`` / ``free`` give ``SlotsAllocated`` /
+  ``SlotsFreed`` where the index values can be read without a device sync.
+
+Features are detected on the instance, never by version string; a controller that
+lacks one of the required boundaries is refused before anything is changed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..._compiled import runs_of
+from ...errors import IntegrationError
+from ...events.log import EventLog
+from ...events.schema import (
+    D2H,
+    H2D,
+    IndicesMoved,
+    OperationQueued,
+    OperationsMerged,
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    StreamRecorded,
+    TensorRef,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+)
+
+__all__ = ["Instrumentation", "instrument", "instrumentation_of"]
+
+ANCHOR = "kv"
+_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+_TRUE_DEVICE = torch._C.TensorBase.device.__get__  # the storage's device, whatever a subclass reports
+_tls = threading.local()
+# controller -> its instrumentation, weakly both ways: the wrappers on the controller keep the
+# instrumentation alive exactly as long as the controller
+_registry: weakref.WeakKeyDictionary[Any, weakref.ref[Instrumentation]] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+# ----------------------------------------------------------- record_stream observer
+class _RecordStreamObserver:
+    """Wraps ``torch.Tensor.record_stream`` while at least one controller is instrumented."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.original: Any = None
+        self.had_own = False
+
+    def acquire(self) -> None:
+        with self.lock:
+            if self.users == 0:
+                self.had_own = "record_stream" in torch.Tensor.__dict__
+                self.original = torch.Tensor.record_stream
+                original = self.original
+
+                def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+                    if getattr(_tls, "recording", False):  # torch-function dispatch calls us again
+                        return original(tensor, stream)  # type: ignore[no-any-return]
+                    _tls.recording = True
+                    try:
+                        original(tensor, stream)  # a record that fails was not made
+                    finally:
+                        _tls.recording = False
+                    sub = getattr(_tls, "sub", None)
+                    if sub is not None:
+                        sub.recorded(tensor, stream)
+                    return None
+
+                record_stream.__doc__ = original.__doc__
+                record_stream.__wrapped__ = original  # type: ignore[attr-defined]
+                torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
+            self.users += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users == 0:
+                if self.had_own:
+                    torch.Tensor.record_stream = self.original  # type: ignore[method-assign]
+                else:
+                    del torch.Tensor.record_stream
+                self.original = None
+
+
+_RECORDS = _RecordStreamObserver()
+
+
+# ---------------------------------------------------------------- tensor facts
+def _device_name(t: torch.Tensor) -> str:
+    if t.is_cuda:
+        dev = t.device
+        return f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
+    return str(t.device)
+
+
+def _host_values(t: torch.Tensor) -> Any:
+    """The values of an index tensor whose storage is host memory (no sync), else None."""
+    if _TRUE_DEVICE(t).type != "cpu":
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        plain = t.detach().reshape(-1)
+        if plain.dtype != torch.int64:
+            plain = plain.to(torch.int64)
+        return plain.numpy()
+
+
+def _ref(t: torch.Tensor, pool: str, role: str) -> TensorRef:
+    with torch._C.DisableTorchFunctionSubclass():
+        numel = t.numel()
+        dtype = t.dtype
+        ptr = t.data_ptr() if numel else 0
+    dev = _device_name(t)
+    runs = None
+    if dev == "cpu":
+        values = _host_values(t)
+        runs = runs_of(values) if values is not None and numel else None
+    return TensorRef(
+        pool=pool,
+        role=role,  # type: ignore[arg-type]
+        device=dev,
+        numel=numel,
+        dtype=_DTYPES.get(dtype) or str(dtype).removeprefix("torch."),
+        ptr=ptr,
+        indices=runs or None,
+    )
+
+
+def _pool_name(name: Any) -> str:
+    return str(getattr(name, "value", name))
+
+
+# ------------------------------------------------------------------- the queues
+class _OpQueue(list):  # type: ignore[type-arg]
+    """A controller's write or load queue: appends are ``OperationQueued``."""
+
+    def __init__(self, items: Iterable[Any], inst: Instrumentation, direction: str) -> None:
+        super().__init__(items)
+        self._inst = inst
+        self._direction = direction
+
+    def append(self, op: Any) -> None:
+        super().append(op)
+        self._inst._queued(op, self._direction)
+
+
+class _AckQueue(list):  # type: ignore[type-arg]
+    """A controller's ack queue: an ack taken out is its op's completion."""
+
+    def __init__(self, items: Iterable[Any], inst: Instrumentation, direction: str) -> None:
+        super().__init__(items)
+        self._inst = inst
+        self._direction = direction
+
+    def append(self, ack: Any) -> None:
+        super().append(ack)
+        self._inst._ack_appended(ack, self._direction)
+
+    def pop(self, index: Any = -1) -> Any:
+        ack = super().pop(index)
+        self._inst._ack_taken(ack, self._direction)
+        return ack
+
+    def __delitem__(self, key: Any) -> None:
+        taken = self[key] if isinstance(key, slice) else [self[key]]
+        super().__delitem__(key)
+        for ack in taken:
+            self._inst._ack_taken(ack, self._direction)
+
+    def remove(self, ack: Any) -> None:
+        super().remove(ack)
+        self._inst._ack_taken(ack, self._direction)
+
+    def clear(self) -> None:
+        taken = list(self)
+        super().clear()
+        for ack in taken:
+            self._inst._ack_cancelled(ack, self._direction, "ack queue cleared (controller reset)")
+
+
+# ----------------------------------------------------- conversions inside a copy
+class _ConversionWatch(TorchFunctionMode):
+    """While one pool's copy runs: ``.to()``/``.cuda()`` of the index tensors it received.
+
+    SGLang's Mamba host pool moves CPU host indices to the device itself, inside the
+    transfer's stream (the new tensor belongs to that stream). Only a description is
+    kept, never the tensor."""
+
+    def __init__(self, pool: str, watched: dict[int, str]) -> None:
+        super().__init__()
+        self.pool = pool
+        self.watched = watched  # id(tensor) -> role
+        self.moves: list[tuple[str, str, str, TensorRef]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.Tensor.to or func is torch.Tensor.cuda) and args and id(args[0]) in self.watched:
+            src = args[0]
+            if isinstance(out, torch.Tensor) and out is not src and _device_name(out) != _device_name(src):
+                role = self.watched[id(src)]
+                self.moves.append((role, _device_name(src), _device_name(out), _ref(out, self.pool, role)))
+        return out
+
+
+# ------------------------------------------------------------------ submissions
+@dataclass
+class _Submission:
+    """What one ``start_writing``/``start_loading`` call did, as observed."""
+
+    inst: Instrumentation
+    direction: str
+    queued: tuple[int, ...]
+    op: Any = None
+    merged_emitted: bool = False
+    pool: str | None = None  # the pool whose copy is running
+    uses: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    records: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
+    acks: list[Any] = field(default_factory=list)
+    # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
+    side_moves: list[tuple[str, str, str, str, TensorRef]] = field(default_factory=list)
+
+    def recorded(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.records.append((tensor, stream))
+
+
+@dataclass
+class _Pending:
+    op: int
+    direction: str
+
+
+@dataclass
+class _PoolHooks:
+    """Where one pool's copies and allocations can be observed."""
+
+    name: str
+    host: Any  # the host pool: copies, and host slot allocation
+    device: Any  # the device allocator: capacity and free list
+    # (object, alloc attribute, free attribute): the allocator itself, and the entry's bound
+    # methods when the controller calls those (captured before instrumenting)
+    device_hooks: list[tuple[Any, str, str]]
+
+
+@dataclass
+class _Shape:
+    """The boundaries found on one controller."""
+
+    streams: dict[str, tuple[Any, str]]  # direction -> (owner, attribute)
+    move: list[str]  # op-level move method names
+    move_takes_op: bool
+    pools: list[_PoolHooks]
+    copy: dict[str, str]  # direction -> host pool method name
+    io_backend: str
+    layout: str
+
+
+def _detect(c: Any) -> _Shape:
+    missing: list[str] = []
+    for name in ("write_queue", "load_queue", "ack_write_queue", "ack_load_queue"):
+        if not isinstance(getattr(c, name, None), list):
+            missing.append(f"{name} (a list)")
+    for name in ("start_writing", "start_loading", "mem_pool_host", "mem_pool_device_allocator", "io_backend"):
+        if getattr(c, name, None) is None:
+            missing.append(name)
+    engine = getattr(c, "l2_transfer_engine", None)
+    if engine is not None and hasattr(engine, "device_to_host_stream"):
+        streams = {D2H: (engine, "device_to_host_stream"), H2D: (engine, "host_to_device_stream")}
+        copy = {D2H: "backup_from_device_all_layer_physical", H2D: "load_to_device_per_layer_physical"}
+    elif hasattr(c, "write_stream") and hasattr(c, "load_stream"):
+        streams = {D2H: (c, "write_stream"), H2D: (c, "load_stream")}
+        copy = {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
+    else:
+        missing.append("write_stream/load_stream or l2_transfer_engine.device_to_host_stream/host_to_device_stream")
+        streams, copy = {}, {}
+    if callable(getattr(c, "_move_write_operation", None)) and callable(getattr(c, "_move_op_indices", None)):
+        move, takes_op = ["_move_write_operation", "_move_op_indices"], True
+    elif callable(getattr(c, "move_hybrid_indices", None)):
+        move, takes_op = ["move_hybrid_indices"], True
+    elif callable(getattr(c, "move_indices", None)):
+        params = [p for p in inspect.signature(c.move_indices).parameters.values() if p.default is p.empty]
+        move, takes_op = ["move_indices"], len(params) == 1
+        if not takes_op:
+            missing.append("an op-level index move (_move_op_indices, move_hybrid_indices or move_indices(op))")
+    else:
+        move, takes_op = [], False
+        missing.append("move_indices")
+    host = getattr(c, "mem_pool_host", None)
+    pools: list[_PoolHooks] = []
+    allocator = getattr(c, "mem_pool_device_allocator", None)
+    allocator = getattr(allocator, "full_attn_allocator", allocator)
+    entries = getattr(host, "entries", None)
+    if entries is not None:
+        anchor: Any = getattr(host, "anchor_entry", None)
+        entry: Any
+        for entry in entries:
+            name = _pool_name(entry.name)
+            if entry is anchor:
+                pools.append(_PoolHooks(name, entry.host_pool, allocator, [(allocator, "alloc", "free")]))
+            elif getattr(entry, "device_alloc_fn", None) is not None:
+                owner = getattr(entry.device_alloc_fn, "__self__", None)
+                hooks = [(entry, "device_alloc_fn", "device_free_fn")]
+                if owner is not None and getattr(entry.device_free_fn, "__self__", None) is owner:
+                    hooks.insert(0, (owner, "alloc", "free"))
+                pools.append(_PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks))
+            else:
+                pools.append(_PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")]))
+    elif host is not None:
+        pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
+    for p in pools:
+        for meth in copy.values():
+            if not callable(getattr(p.host, meth, None)):
+                missing.append(f"{type(p.host).__name__}.{meth} (pool {p.name!r})")
+        for obj, a, f, what in [(p.host, "alloc", "free", "host")] + [(*h, "device") for h in p.device_hooks]:
+            if not (callable(getattr(obj, a, None)) and callable(getattr(obj, f, None))):
+                missing.append(f"{a}/{f} of pool {p.name!r} ({what}: {type(obj).__name__})")
+    if missing:
+        raise IntegrationError(
+            f"cannot instrument {type(c).__module__}.{type(c).__name__}: it lacks " + "; ".join(missing)
+        )
+    return _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")))
+
+
+def _capacity(obj: Any, tier: str) -> tuple[int, int]:
+    """(capacity in slots, page size) of an allocator or host pool."""
+    page = int(getattr(obj, "page_size", 1) or 1)
+    size = getattr(obj, "size", None)
+    if not isinstance(size, int):
+        raise IntegrationError(f"{type(obj).__name__} has no integer 'size' to size pool tables from")
+    if tier == "device" and hasattr(obj, "free_pages"):
+        return size + page, page  # pages 1..n: page 0 is the padding slot
+    return (size + 1 if tier == "device" else size), page
+
+
+def _free_values(obj: Any) -> list[int] | None:
+    """Every slot on an allocator's free lists, or None if it keeps none we know."""
+    page = int(getattr(obj, "page_size", 1) or 1)
+    for lists, is_pages in ((("free_pages", "release_pages"), True), (("free_slots", "release_slots"), False)):
+        if not hasattr(obj, lists[0]):
+            continue
+        out: list[int] = []
+        for name in lists:
+            v = getattr(obj, name, None)
+            parts = v if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor) else [v]
+            for part in parts:
+                if part is None:
+                    continue
+                with torch._C.DisableTorchFunctionSubclass():
+                    vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
+                if is_pages and page > 1:
+                    out.extend(p * page + k for p in vals for k in range(page))
+                else:
+                    out.extend(vals)
+        return out
+    return None
+
+
+# ------------------------------------------------------------- instrumentation
+class Instrumentation:
+    """One instrumented SGLang controller: its event ``log`` and ``detach()``."""
+
+    def __init__(self, controller: Any, log: EventLog, shape: _Shape) -> None:
+        self.controller = controller
+        self.log = log
+        self.rank = log.rank
+        self._shape = shape
+        self._lock = threading.RLock()
+        self._undo: list[Callable[[], None]] = []
+        self._pending: dict[int, _Pending] = {}  # id(ack) -> op
+        self._stream_names: dict[int, str] = {}
+        self._slot_bytes: dict[str, int] = {}
+        self._detached = False
+        self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
+        dev = str(getattr(controller, "device", "cpu"))
+        self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
+
+    # ------------------------------------------------------------- public
+    @property
+    def detached(self) -> bool:
+        return self._detached
+
+    def detach(self) -> None:
+        """Restore the controller exactly as it was. Idempotent."""
+        with _registry_lock:
+            if self._detached:
+                return
+            self._detached = True
+            for undo in reversed(self._undo):
+                undo()
+            self._undo.clear()
+            _registry.pop(self.controller, None)
+        if self._finalizer is not None and self._finalizer.detach() is not None:
+            _RECORDS.release()
+
+    def __enter__(self) -> Instrumentation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # ------------------------------------------------------------- wiring
+    def _attach(self) -> None:
+        c, shape = self.controller, self._shape
+        for owner, attr in shape.streams.values():
+            self._stream_names[id(getattr(owner, attr))] = attr
+        for p in shape.pools:
+            name = p.name
+            self._slot_bytes[name] = int(getattr(p.host, "size_per_token", 0) or 0)
+            for obj, tier in ((p.device, "device"), (p.host, "host")):
+                cap, page = _capacity(obj, tier)
+                self.log.emit(
+                    PoolCreated,
+                    pool=name,
+                    tier=tier,
+                    capacity=cap,
+                    page_size=page,
+                    slot_bytes=self._slot_bytes[name],
+                    layout=shape.layout if tier == "host" else "layer_first",
+                )
+                self._adopt_allocations(obj, name, tier, cap)
+        # queues and acks
+        for attr, cls, direction in (
+            ("write_queue", _OpQueue, D2H),
+            ("load_queue", _OpQueue, H2D),
+            ("ack_write_queue", _AckQueue, D2H),
+            ("ack_load_queue", _AckQueue, H2D),
+        ):
+            self._swap_list(c, attr, cls, direction)
+        self._wrap(c, "start_writing", self._submission_wrapper(D2H))
+        self._wrap(c, "start_loading", self._submission_wrapper(H2D))
+        for name in shape.move:
+            self._wrap(c, name, self._move_wrapper(shape.move_takes_op))
+        for p in shape.pools:
+            for meth in shape.copy.values():
+                self._wrap(p.host, meth, self._copy_wrapper(p.name))
+            self._wrap(p.host, "alloc", self._alloc_wrapper(p.name, "host"))
+            self._wrap(p.host, "free", self._free_wrapper(p.name, "host"))
+            for obj, alloc_attr, free_attr in p.device_hooks:
+                self._wrap(obj, alloc_attr, self._alloc_wrapper(p.name, "device"))
+                self._wrap(obj, free_attr, self._free_wrapper(p.name, "device"))
+
+    def _adopt_allocations(self, obj: Any, pool: str, tier: str, capacity: int) -> None:
+        """Slots already in use when instrumenting (the padding slot, earlier requests)."""
+        free = _free_values(obj)
+        if free is None:
+            raise IntegrationError(
+                f"pool {pool!r} ({tier}, {type(obj).__name__}) keeps no free list the adapter knows "
+                "(free_pages or free_slots): its slots in use cannot be read"
+            )
+        in_use = np.ones(capacity, dtype=bool)
+        free_arr = np.asarray(free, dtype=np.int64)
+        in_use[free_arr[(free_arr >= 0) & (free_arr < capacity)]] = False
+        used = np.flatnonzero(in_use).astype(np.int64)
+        if used.size:
+            self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
+
+    def _swap_list(self, obj: Any, attr: str, cls: type, direction: str) -> None:
+        original = getattr(obj, attr)
+        observed = cls(original, self, direction)
+        setattr(obj, attr, observed)
+
+        def undo() -> None:
+            if getattr(obj, attr) is observed:
+                setattr(obj, attr, list(observed))
+
+        self._undo.append(undo)
+
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        had_own = name in getattr(obj, "__dict__", {})
+        original = getattr(obj, name)
+        wrapper = make(original)
+        setattr(obj, name, wrapper)
+
+        def undo() -> None:
+            if had_own:
+                setattr(obj, name, original)
+            else:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+
+        self._undo.append(undo)
+
+    # ----------------------------------------------------------- wrappers
+    def _submission_wrapper(self, direction: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        queue_attr = "write_queue" if direction == D2H else "load_queue"
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def start(*args: Any, **kwargs: Any) -> Any:
+                if getattr(_tls, "sub", None) is not None:  # re-entered: one submission
+                    return original(*args, **kwargs)
+                queued = tuple(int(op.id) for op in getattr(self.controller, queue_attr))
+                if not queued:
+                    return original(*args, **kwargs)
+                sub = _Submission(self, direction, queued)
+                _tls.sub = sub
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException as exc:
+                    _tls.sub = None
+                    self._finish(sub, result=None, error=exc)
+                    raise
+                _tls.sub = None
+                self._finish(sub, result=result, error=None)
+                return result
+
+            start.__wrapped__ = original  # type: ignore[attr-defined]
+            return start
+
+        return make
+
+    def _move_wrapper(self, takes_op: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def move(op: Any, *args: Any, **kwargs: Any) -> Any:
+                sub = getattr(_tls, "sub", None)
+                if sub is None or sub.op is not None:  # outside a submission, or an inner move
+                    return original(op, *args, **kwargs)
+                sub.op = op
+                self._merged(sub)
+                before = self._op_tensors(op.host_indices, op.device_indices, getattr(op, "pool_transfers", None))
+                result = original(op, *args, **kwargs)
+                host, device = result[0], result[1]
+                transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
+                after = self._op_tensors(host, device, transfers)
+                for key, src in before.items():
+                    dst = after.get(key)
+                    if dst is not None and dst is not src and _device_name(dst) != _device_name(src):
+                        self.log.emit(
+                            IndicesMoved,
+                            op=int(op.id),
+                            pool=key[0],
+                            role=key[1],
+                            src_device=_device_name(src),
+                            dst_device=_device_name(dst),
+                            tensor=_ref(dst, key[0], key[1]),
+                        )
+                return result
+
+            move.__wrapped__ = original  # type: ignore[attr-defined]
+            return move
+
+        return make
+
+    def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
+                sub = getattr(_tls, "sub", None)
+                if sub is None:
+                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
+                watched = {}
+                for role, t in (("host", host_indices), ("device", device_indices)):
+                    if isinstance(t, torch.Tensor):
+                        sub.uses.setdefault((pool, role), t)
+                        watched[id(t)] = role
+                watch = _ConversionWatch(pool, watched)
+                with watch:
+                    out = original(device_pool, host_indices, device_indices, *args, **kwargs)
+                seen = {(m[0], m[1]) for m in sub.side_moves if m[0] == pool}
+                for role, src, dst, ref in watch.moves:
+                    if (pool, role) not in seen:
+                        sub.side_moves.append((pool, role, src, dst, ref))
+                        seen.add((pool, role))
+                return out
+
+            copy.__wrapped__ = original  # type: ignore[attr-defined]
+            return copy
+
+        return make
+
+    def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def alloc(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.numel():
+                    values = _host_values(out)
+                    if values is not None:
+                        self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(values))
+                return out
+
+            alloc.__wrapped__ = original  # type: ignore[attr-defined]
+            return alloc
+
+        return make
+
+    def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
+                values = _host_values(indices) if isinstance(indices, torch.Tensor) and indices.numel() else None
+                out = original(indices, *args, **kwargs)
+                if values is not None:
+                    self.log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs_of(values))
+                return out
+
+            free.__wrapped__ = original  # type: ignore[attr-defined]
+            return free
+
+        return make
+
+    # ------------------------------------------------------------- events
+    @staticmethod
+    def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:
+        out: dict[tuple[str, str], torch.Tensor] = {}
+        for pool, h, d in [(ANCHOR, host, device)] + [
+            (_pool_name(t.name), t.host_indices, t.device_indices) for t in transfers or ()
+        ]:
+            if isinstance(h, torch.Tensor):
+                out[(pool, "host")] = h
+            if isinstance(d, torch.Tensor):
+                out[(pool, "device")] = d
+        return out
+
+    def _slots_by_pool(self, op: Any) -> tuple[tuple[str, int], ...]:
+        slots = {ANCHOR: int(op.host_indices.numel())}
+        for t in getattr(op, "pool_transfers", None) or ():
+            if getattr(t, "indices_from_pool", None) is not None:
+                continue
+            idx = t.host_indices if t.host_indices is not None else t.device_indices
+            name = _pool_name(t.name)
+            slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
+        return tuple(slots.items())
+
+    def _queued(self, op: Any, direction: str) -> None:
+        node_ids = getattr(op, "node_ids", None) or [-1]
+        self.log.emit(
+            OperationQueued,
+            op=int(op.id),
+            direction=direction,
+            node_id=int(node_ids[0]),
+            priority=int(op.priority if op.priority is not None else op.id),
+            slots_by_pool=self._slots_by_pool(op),
+        )
+
+    def _merged(self, sub: _Submission) -> None:
+        if sub.merged_emitted:
+            return
+        sub.merged_emitted = True
+        op = sub.op
+        op_id = int(op.id) if op is not None else sub.queued[0]
+        node_ids = tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else ()
+        self.log.emit(OperationsMerged, op=op_id, merged_ops=sub.queued, direction=sub.direction, node_ids=node_ids)
+
+    def _stream_name(self, stream: Any) -> str:
+        return self._stream_names.get(id(stream)) or f"stream@{id(stream):x}"
+
+    def _finish(self, sub: _Submission, *, result: Any, error: BaseException | None) -> None:
+        if sub.op is None and error is None:
+            return  # nothing was merged (an empty queue raced us)
+        self._merged(sub)
+        op = sub.op
+        op_id = int(op.id) if op is not None else sub.queued[0]
+        owner, attr = self._shape.streams[sub.direction]
+        stream = getattr(owner, attr)
+        stream_name = self._stream_name(stream)
+        refs: list[TensorRef] = []
+        by_id: dict[int, tuple[str, str, TensorRef]] = {}
+        by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] = {}
+        for (pool, role), t in sub.uses.items():
+            ref = _ref(t, pool, role)
+            refs.append(ref)
+            by_id[id(t)] = (pool, role, ref)
+            by_ptr[(ref.ptr, ref.numel)] = (pool, role, ref)
+        slots = self._slots_by_pool(op) if op is not None else ()
+        for pool, role, src, dst, ref in sub.side_moves:
+            self.log.emit(
+                IndicesMoved, op=op_id, pool=pool, role=role, src_device=src, dst_device=dst, tensor=ref, stream=stream_name
+            )
+        if sub.uses or error is None:
+            self.log.emit(
+                TransferSubmitted,
+                op=op_id,
+                direction=sub.direction,
+                stream=stream_name,
+                io_backend=self._shape.io_backend,
+                layout=self._shape.layout,
+                tensors=tuple(refs),
+                slots_by_pool=slots,
+                bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+                producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
+                device=self._device,
+            )
+        for tensor, rec_stream in sub.records:
+            hit = by_id.get(id(tensor))
+            if hit is None:
+                with torch._C.DisableTorchFunctionSubclass():
+                    key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
+                hit = by_ptr.get(key)
+            if hit is None:
+                continue  # a tensor no copy of this op received
+            pool, role, ref = hit
+            self.log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=self._stream_name(rec_stream), tensor=ref)
+        if error is not None:
+            for ack in sub.acks:
+                self._pending.pop(id(ack), None)
+            self.log.emit(TransferFailed, op=op_id, direction=sub.direction, error=f"{type(error).__name__}: {error}")
+            return
+        for ack in sub.acks:
+            self._pending[id(ack)] = _Pending(op_id, sub.direction)
+
+    def _ack_appended(self, ack: Any, direction: str) -> None:
+        sub = getattr(_tls, "sub", None)
+        if sub is not None and sub.direction == direction:
+            sub.acks.append(ack)
+
+    def _ack_taken(self, ack: Any, direction: str) -> None:
+        p = self._pending.pop(id(ack), None)
+        if p is None:
+            return
+        duration = 0
+        start, finish = getattr(ack, "start_event", None), getattr(ack, "finish_event", None)
+        if getattr(ack, "timing_enabled", False) and start is not None and finish is not None:
+            try:
+                duration = int(start.elapsed_time(finish) * 1e6)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError):
+                duration = 0
+        self.log.emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
+
+    def _ack_cancelled(self, ack: Any, direction: str, why: str) -> None:
+        p = self._pending.pop(id(ack), None)
+        if p is not None:
+            self.log.emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
+
+
+def _rank_of(controller: Any) -> int:
+    group = getattr(controller, "tp_group", None)
+    if group is None:
+        return 0
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank(group=group))
+    except (RuntimeError, ValueError):
+        pass
+    return 0
+
+
+def instrument(controller: Any, *, log: EventLog | None = None, rank: int | None = None) -> Instrumentation:
+    """Instrument one live SGLang ``HiCacheController`` / ``HybridCacheController``.
+
+    Returns an :class:`Instrumentation` with ``.log`` (``log``, or a new
+    :class:`EventLog` for the controller's TP rank) and ``.detach()``; it is also a
+    context manager. Raises :class:`~hicache_obs.errors.IntegrationError` for an object
+    that is not such a controller, one already instrumented, or one of a shape the
+    adapter does not know (the message names what is missing); nothing is changed then.
+    """
+    if controller is None or isinstance(controller, (str, bytes, int, float, list, dict, tuple)):
+        raise IntegrationError(f"instrument() needs an SGLang HiCache controller, got {type(controller).__name__}")
+    if log is not None and not isinstance(log, EventLog):
+        raise IntegrationError(f"log must be an EventLog or None, got {type(log).__name__}")
+    with _registry_lock:
+        if controller in _registry:
+            raise IntegrationError(f"this {type(controller).__name__} is already instrumented; detach() it first")
+        shape = _detect(controller)
+        if log is None:
+            log = EventLog(rank=_rank_of(controller) if rank is None else rank)
+        inst = Instrumentation(controller, log, shape)
+        try:
+            inst._attach()
+        except BaseException:
+            for undo in reversed(inst._undo):
+                undo()
+            raise
+        _registry[controller] = weakref.ref(inst)
+    _RECORDS.acquire()
+    inst._finalizer = weakref.finalize(controller, _RECORDS.release)
+    return inst
+
+
+def instrumentation_of(controller: Any) -> Instrumentation | None:
+    """The live instrumentation of ``controller``, if any."""
+    with _registry_lock:
+        ref = _registry.get(controller)
+    return ref() if ref is not None else None

@@ -1,0 +1,218 @@
+"""What ``hicache-obs instrument -- COMMAND`` does inside COMMAND and the processes it spawns.
+
+The command puts ``_boot/`` first on ``PYTHONPATH``; its ``sitecustomize`` calls
+:func:`install_import_hook` in every Python process that inherits the environment.
+The hook waits for SGLang's controller modules to be imported and wraps the
+controller classes' ``__init__``; nothing else happens in a process that creates no
+controller. Each controller, when its outermost ``__init__`` returns, gets a pipeline
+of its own:
+
+- an :class:`~hicache_obs.events.log.EventLog` for its TP rank, written under
+  ``$HICACHE_OBS_OUT/rank-N/`` (one folder per rank; ``hicache-obs audit`` merges them);
+- the live auditor;
+- ``/metrics`` on ``127.0.0.1:$HICACHE_OBS_METRICS_PORT + N`` (the first controller of
+  each process; a port already taken is reported on stderr and the run goes on);
+- OpenTelemetry spans when ``HICACHE_OBS_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``
+  is set.
+
+``HICACHE_OBS_RANK`` overrides the rank read from the controller's ``tp_group``.
+Everything is flushed and closed at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENV", "TARGETS", "install_import_hook", "instrument_new_controller", "pipelines"]
+
+#: Environment variables the command sets for COMMAND.
+ENV = {
+    "enable": "HICACHE_OBS_INSTRUMENT",
+    "metrics_port": "HICACHE_OBS_METRICS_PORT",
+    "out": "HICACHE_OBS_OUT",
+    "otlp_endpoint": "HICACHE_OBS_OTLP_ENDPOINT",
+    "rank": "HICACHE_OBS_RANK",
+}
+#: Module -> controller classes whose instances are instrumented.
+TARGETS = {
+    "sglang.srt.managers.cache_controller": ("HiCacheController",),
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller": ("HybridCacheController",),
+}
+_lock = threading.Lock()
+_pipelines: list[_Pipeline] = []
+_served_ports: set[int] = set()
+
+
+def pipelines() -> list[Any]:
+    """The pipelines started in this process (one per instrumented controller)."""
+    with _lock:
+        return list(_pipelines)
+
+
+def _say(msg: str) -> None:
+    print(f"hicache-obs: {msg}", file=sys.stderr, flush=True)
+
+
+class _Pipeline:
+    def __init__(self, controller: Any) -> None:
+        from ...events.audit import Auditor
+        from ...events.log import EventLog
+        from ...events.store import open_store
+        from .adapter import _rank_of, instrument
+
+        rank_env = os.environ.get(ENV["rank"])
+        self.rank = int(rank_env) if rank_env not in (None, "") else _rank_of(controller)
+        self.log = EventLog(rank=self.rank)
+        out = Path(os.environ.get(ENV["out"]) or "hicache-obs-sglang")
+        with _lock:
+            n = sum(p.rank == self.rank for p in _pipelines)
+        self.folder = out / (f"rank-{self.rank}" if n == 0 else f"rank-{self.rank}.{n}")
+        self.store = open_store(self.log, self.folder)
+        self.auditor = Auditor().attach(self.log)
+        self.metrics_url: str | None = None
+        self._server: Any = None
+        self._start_metrics()
+        self._start_otel()
+        self.instrumentation = instrument(controller, log=self.log)
+
+    def _start_metrics(self) -> None:
+        base = os.environ.get(ENV["metrics_port"])
+        if not base:
+            return
+        port = int(base) + self.rank
+        with _lock:
+            if port in _served_ports:
+                _say(f"rank {self.rank}: port {port} already serves this process's first controller; "
+                     "this controller is logged only")
+                return
+            _served_ports.add(port)
+        from prometheus_client import CollectorRegistry
+
+        from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+
+        registry = CollectorRegistry()
+        self.log.add_sink(PrometheusSink(registry, log=self.log))
+        try:
+            self._server, bound = start_metrics_server(registry, port=port, addr="127.0.0.1")
+        except OSError as exc:
+            _say(f"rank {self.rank}: cannot serve /metrics on 127.0.0.1:{port}: {exc.strerror or exc}")
+            return
+        self.metrics_url = f"http://127.0.0.1:{bound}/metrics"
+
+    def _start_otel(self) -> None:
+        endpoint = os.environ.get(ENV["otlp_endpoint"]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if not endpoint:
+            return
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        from hicache_obs.exporters.otel import OtelSpanSink
+
+        url = endpoint.rstrip("/")
+        if not url.endswith("/v1/traces"):
+            url += "/v1/traces"
+        self.log.add_sink(OtelSpanSink(service_name="sglang-hicache", exporter=OTLPSpanExporter(endpoint=url)))
+
+    def close(self) -> None:
+        self.auditor.finish()
+        self.log.close()
+        stop = getattr(self._server, "stop", None) or getattr(self._server, "shutdown", None)
+        if stop is not None:
+            stop()
+
+
+def instrument_new_controller(controller: Any) -> Any:
+    """Start a pipeline for a controller that has just been built; never raises into SGLang."""
+    try:
+        p = _Pipeline(controller)
+    except Exception as exc:  # telemetry must not take the engine down: say so, go on
+        _say(f"could not instrument {type(controller).__name__}: {type(exc).__name__}: {exc}")
+        return None
+    with _lock:
+        first = not _pipelines
+        _pipelines.append(p)
+    if first:
+        atexit.register(_close_all)
+    where = f", /metrics at {p.metrics_url}" if p.metrics_url else ""
+    _say(f"instrumented {type(controller).__name__} (rank {p.rank}): log in {p.folder}{where}")
+    return p
+
+
+def _close_all() -> None:
+    with _lock:
+        ps = list(_pipelines)
+    for p in ps:
+        try:
+            p.close()
+        except Exception as exc:
+            _say(f"rank {p.rank}: closing the log failed: {type(exc).__name__}: {exc}")
+
+
+_DEPTH = "_hicache_obs_init_depth"
+
+
+def _patch_class(cls: type) -> None:
+    original = cls.__dict__.get("__init__")
+    if original is None or getattr(original, "_hicache_obs", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get(_DEPTH, 0)
+        self.__dict__[_DEPTH] = depth + 1
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            if depth:
+                self.__dict__[_DEPTH] = depth
+            else:
+                self.__dict__.pop(_DEPTH, None)
+        if depth == 0:  # the outermost __init__ (a subclass's) has finished
+            instrument_new_controller(self)
+
+    __init__._hicache_obs = True  # type: ignore[attr-defined]
+    __init__.__wrapped__ = original  # type: ignore[attr-defined]
+    __init__.__doc__ = original.__doc__
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+def _patch_module(module: Any) -> None:
+    for name in TARGETS.get(module.__name__, ()):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            _patch_class(cls)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Runs :func:`_patch_module` right after a target module has executed."""
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
+        if name not in TARGETS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _patch_module(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this spec's own loader
+        return spec
+
+
+def install_import_hook() -> None:
+    """Instrument every SGLang HiCache controller this process creates from now on. Idempotent."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    for name in TARGETS:  # already imported (sitecustomize ran late): patch in place
+        module = sys.modules.get(name)
+        if module is not None:
+            _patch_module(module)

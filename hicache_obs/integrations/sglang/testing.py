@@ -1,0 +1,702 @@
+"""Real SGLang HiCache controllers on a machine without a GPU (test support).
+
+:func:`build_controller` assembles SGLang's own device pools, allocators, host pools,
+host pool group and controller classes for a :class:`~hicache_obs.core.ModelSpec`,
+with the few stand-ins a CPU needs and nothing of SGLang's code changed:
+
+- **CUDA index tensors.** :class:`CudaStandIn` is a CPU tensor whose ``is_cuda`` is
+  true and whose ``device`` reads ``cuda:0``; ``.cpu()`` returns a new plain tensor and
+  ``record_stream`` is accepted. A torch function mode (:func:`prepare`) turns
+  ``.to("cuda")`` and ``device="cuda"`` into such tensors, so SGLang's own index moves
+  (``host_indices.to(self.device, non_blocking=True)``) really happen. The device pools'
+  data buffers stay plain CPU tensors; only index tensors are stand-ins.
+- **Streams.** The controller's two side streams become ``torch.Stream("cpu")``, which
+  ``Tensor.record_stream`` accepts (``torch.cpu.Stream`` is refused by the argument
+  parser); events are ``torch.cpu.Event`` as SGLang's device module gives them.
+- **Copy kernels.** :mod:`~hicache_obs.integrations.sglang.kernels` supplies torch
+  implementations of the ``sgl_kernel.kvcacheio`` ops with the real kernels' checks.
+- **torchvision.** SGLang's config package imports ``torchvision.transforms``; a
+  torchvision built for the CPU torch is not on PyPI. An import-only stand-in is put
+  on the import path after ``transformers`` has cached that torchvision is absent.
+
+Copies are synchronous here: the harness shows what SGLang's code does with its index
+tensors (the evidence the adapter reports), not CUDA timing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import threading
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ...core.spec import ModelSpec
+from ...errors import ConfigError, IntegrationError
+
+__all__ = ["CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version"]
+
+_CUDA = torch.device("cuda", 0)
+_CPU = torch.device("cpu")
+_PLAIN = torch._C.DisableTorchFunctionSubclass
+_prepared = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------ CUDA stand-in
+class CudaStandIn(torch.Tensor):
+    """A CPU tensor standing in for a CUDA index tensor."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return _CUDA
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.record_stream or func is torch._C.TensorBase.record_stream:
+            return None  # the CPU stream has nothing to hold the memory for
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and _target(args[1:], kwargs) == "cpu"):
+            with _PLAIN():
+                src = args[0]
+                out = src.clone() if func is torch.Tensor.cpu else func(src, *_cpu_args(args[1:]), **_cpu_kwargs(kwargs))
+                return out if out is not src else out.clone()
+        if func is torch.Tensor.numpy:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _is_cuda_device(d: Any) -> bool:
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    return isinstance(d, str) and d.startswith("cuda")
+
+
+def _target(args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
+    """Where a ``Tensor.to`` call goes: ``"cuda"``, ``"cpu"`` or None (dtype only)."""
+    d = kwargs.get("device")
+    if d is None:
+        for a in args:
+            if isinstance(a, (str, torch.device)):
+                d = a
+                break
+            if isinstance(a, torch.Tensor):
+                d = a.device
+                break
+    if d is None:
+        return None
+    return "cuda" if _is_cuda_device(d) else "cpu"
+
+
+def _cpu_args(args: Sequence[Any]) -> list[Any]:
+    return [_CPU if isinstance(a, (str, torch.device)) and not isinstance(a, torch.dtype) else a for a in args]
+
+
+def _cpu_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "device" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["device"] = _CPU
+    return kwargs
+
+
+def _stand_in(out: Any) -> Any:
+    if isinstance(out, torch.Tensor) and not isinstance(out, CudaStandIn):
+        return out.as_subclass(CudaStandIn)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_stand_in(o) for o in out)
+    return out
+
+
+class _CudaMode(TorchFunctionMode):
+    """Routes ``device="cuda"`` and ``.to("cuda")`` to :class:`CudaStandIn` tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to or func is torch.Tensor.cuda:
+            src = args[0]
+            target = "cuda" if func is torch.Tensor.cuda else _target(args[1:], kwargs)
+            if target == "cuda":
+                rest = [a for a in args[1:] if not isinstance(a, (str, torch.device))] if func is torch.Tensor.to else []
+                kw = {k: v for k, v in kwargs.items() if k != "device"}
+                if isinstance(src, CudaStandIn):
+                    return func(src, *rest, **kw) if rest or kw.get("dtype") is not None else src
+                with _PLAIN():
+                    out = src.to(*rest, **kw) if rest or kw else src
+                    out = out.clone() if out is src else out
+                return _stand_in(out)
+            return func(*args, **kwargs)
+        d = kwargs.get("device")
+        if d is not None and _is_cuda_device(d):
+            return _stand_in(func(*args, **_cpu_kwargs(kwargs)))
+        return func(*args, **kwargs)
+
+
+# ------------------------------------------------------------ torchvision stand-in
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import-only ``torchvision``: every submodule exists, every name is a placeholder class."""
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def,override]
+        m = types.ModuleType(spec.name)
+        m.__path__ = []  # type: ignore[attr-defined]
+
+        def __getattr__(attr: str) -> Any:
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            value = type(attr, (), {"__module__": spec.name})
+            setattr(m, attr, value)
+            return value
+
+        m.__getattr__ = __getattr__  # type: ignore[attr-defined, method-assign]
+        return m
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def,override]
+        return None
+
+
+def _install_torchvision_stand_in() -> None:
+    try:
+        import torchvision  # noqa: F401
+
+        return  # a real one (a CUDA build pair): use it
+    except Exception:
+        sys.modules.pop("torchvision", None)
+    try:
+        import transformers.utils.import_utils as iu
+
+        iu.is_torchvision_available()  # cached now: transformers keeps torchvision absent
+    except ImportError:
+        pass
+    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
+        sys.meta_path.append(_StubFinder())
+
+
+# ----------------------------------------------------------------------- prepare
+def sglang_version() -> str | None:
+    """The installed SGLang release, or None."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return None
+
+
+def prepare() -> None:
+    """Make SGLang's HiCache modules importable and runnable here. Idempotent.
+
+    Raises :class:`~hicache_obs.errors.IntegrationError` where SGLang is not installed.
+    """
+    with _prepared:
+        if _state.get("ready"):
+            return
+        if sglang_version() is None:
+            raise IntegrationError("SGLang is not installed here (make sglang installs the tested releases)")
+        from . import kernels
+
+        _install_torchvision_stand_in()
+        kernels.install()
+        mode = _CudaMode()
+        mode.__enter__()  # process-wide for this thread: test support only
+        _state["mode"] = mode
+        # import what the builders use here, in a shallow frame: an SGLang module keeps a
+        # reference to the frames that first imported it (and so to their locals)
+        for name in _MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        _bind_kernels()
+        _state["ready"] = True
+
+
+_MODULES = (
+    "sglang.srt.managers.cache_controller",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.allocator.mamba",
+    "sglang.srt.mem_cache.memory_pool_host",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.group",
+    "sglang.srt.mem_cache.hicache_storage",
+    "sglang.srt.configs.mamba_utils",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler",
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
+)
+
+
+def _bind_kernels() -> None:
+    from . import kernels
+
+    for name in (
+        "sglang.srt.mem_cache.memory_pool_host",
+        "sglang.srt.mem_cache.pool_host.mha",
+        "sglang.srt.mem_cache.pool_host.mamba",
+        "sglang.srt.mem_cache.pool_host.common",
+        "sglang.srt.mem_cache.pool_host._kvcacheio",
+    ):
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+        kernels.bind(mod)
+
+
+def _kw(fn: Any, **candidates: Any) -> dict[str, Any]:
+    """The candidates that ``fn`` accepts (constructors differ between releases)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return candidates
+    return {k: v for k, v in candidates.items() if k in params}
+
+
+# ---------------------------------------------------------------------- harness
+@dataclass
+class SGLangHarness:
+    """A real SGLang controller with its pools, and helpers to put data in and read it back."""
+
+    spec: ModelSpec
+    controller: Any
+    kv_pool: Any
+    kv_allocator: Any
+    kv_host: Any
+    mamba_pool: Any = None
+    mamba_allocator: Any = None
+    mamba_host: Any = None
+    pool_transfer: Any = None  # SGLang's PoolTransfer class
+    pool_name: Any = None  # SGLang's PoolName enum
+    io_backend: str = "kernel"
+    layout: str = "page_first"
+    release: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    # --------------------------------------------------------- allocation
+    def alloc_kv(self, n: int) -> torch.Tensor:
+        t = self.kv_allocator.alloc(n)
+        if t is None:
+            raise ConfigError(f"the KV device pool has no {n} free slots")
+        return t  # type: ignore[no-any-return]
+
+    def alloc_mamba(self, n: int = 1) -> torch.Tensor:
+        if self.mamba_allocator is None:
+            raise ConfigError(f"model {self.spec.name!r} has no mamba pool")
+        t = self.mamba_allocator.alloc(n)
+        if t is None:
+            raise ConfigError(f"the Mamba device pool has no {n} free slots")
+        return t  # type: ignore[no-any-return]
+
+    def mamba_transfer(self, *, host_indices: Any = None, device_indices: Any = None) -> Any:
+        return self.pool_transfer(name=self.pool_name.MAMBA, host_indices=host_indices, device_indices=device_indices)
+
+    # ------------------------------------------------------------- data
+    def _kv_layers(self) -> list[torch.Tensor]:
+        return list(self.kv_pool.k_buffer) + list(self.kv_pool.v_buffer)
+
+    def _mamba_layers(self) -> list[torch.Tensor]:
+        cache = self.mamba_pool.mamba_cache
+        return [cache.temporal, *cache.conv]
+
+    @staticmethod
+    def _plain(indices: torch.Tensor) -> torch.Tensor:
+        with _PLAIN():
+            return indices.detach().clone().as_subclass(torch.Tensor).to(torch.int64)
+
+    def fill_kv(self, indices: torch.Tensor, seed: int) -> None:
+        """Write distinct values into the device KV rows at ``indices`` (every layer, k and v)."""
+        idx = self._plain(indices)
+        g = torch.Generator().manual_seed(seed)
+        with _PLAIN():
+            for buf in self._kv_layers():
+                buf[idx] = torch.randn(buf[idx].shape, generator=g).to(buf.dtype)
+
+    def read_kv(self, indices: torch.Tensor) -> torch.Tensor:
+        idx = self._plain(indices)
+        with _PLAIN():
+            return torch.stack([buf[idx].float() for buf in self._kv_layers()])
+
+    def clear_kv(self, indices: torch.Tensor) -> None:
+        idx = self._plain(indices)
+        with _PLAIN():
+            for buf in self._kv_layers():
+                buf[idx] = 0
+
+    def fill_mamba(self, indices: torch.Tensor, seed: int) -> None:
+        idx = self._plain(indices)
+        g = torch.Generator().manual_seed(seed)
+        with _PLAIN():
+            for buf in self._mamba_layers():  # [layers, slots, ...]
+                buf[:, idx] = torch.randn(buf[:, idx].shape, generator=g).to(buf.dtype)
+
+    def read_mamba(self, indices: torch.Tensor) -> list[torch.Tensor]:
+        idx = self._plain(indices)
+        with _PLAIN():
+            return [buf[:, idx].float().clone() for buf in self._mamba_layers()]
+
+    def clear_mamba(self, indices: torch.Tensor) -> None:
+        idx = self._plain(indices)
+        with _PLAIN():
+            for buf in self._mamba_layers():
+                buf[:, idx] = 0
+
+    # --------------------------------------------------------- driving
+    def write(self, kv: torch.Tensor, mamba: torch.Tensor | None = None, *, node_id: int = -1) -> tuple[Any, Any]:
+        """``controller.write`` of ``kv`` (and one Mamba transfer); returns (host KV indices, transfer)."""
+        if mamba is None:
+            return self.controller.write(kv, node_id=node_id), None
+        t = self.mamba_transfer(device_indices=mamba)
+        host = self.controller.write(kv, node_id=node_id, extra_pools=[t])
+        return host, t
+
+    def load(self, host: torch.Tensor, mamba_host: torch.Tensor | None = None, *, node_id: int = -1) -> tuple[Any, Any]:
+        """``controller.load`` (queued); returns (device KV indices, transfer)."""
+        if mamba_host is None:
+            return self.controller.load(host, node_id=node_id), None
+        t = self.mamba_transfer(host_indices=mamba_host)
+        dev = self.controller.load(host, node_id=node_id, extra_pools=[t])
+        return dev, t
+
+    def reap(self) -> int:
+        """Take every finished ack off both ack queues, in FIFO order, as the radix cache does."""
+        n = 0
+        for q in (self.controller.ack_write_queue, self.controller.ack_load_queue):
+            while len(q) and q[0].finish_event.query():
+                ack = q.pop(0)
+                ack.finish_event.synchronize()
+                n += 1
+        return n
+
+
+def build_controller(
+    spec: ModelSpec,
+    *,
+    io_backend: str = "kernel",
+    layout: str = "page_first",
+    device_size: int = 512,
+    host_ratio: float = 2.0,
+    write_policy: str = "write_through",
+) -> SGLangHarness:
+    """A real SGLang controller for ``spec`` (``tiny``, ``tiny_hybrid``) on a CPU.
+
+    ``layout`` is the host layout (``page_first``, ``layer_first``, ``page_first_direct``);
+    the direct backend turns ``page_first`` into ``page_first_direct`` as SGLang's radix
+    cache does. Raises :class:`~hicache_obs.errors.IntegrationError` without SGLang.
+    """
+    if io_backend not in ("kernel", "direct"):
+        raise ConfigError(f"io_backend must be 'kernel' or 'direct', got {io_backend!r}")
+    if layout not in ("page_first", "layer_first", "page_first_direct"):
+        raise ConfigError(f"layout must be page_first, layer_first or page_first_direct, got {layout!r}")
+    if spec.swa_layer_ids:
+        raise ConfigError(f"model {spec.name!r}: the SGLang harness builds KV and KV + Mamba models, not SWA")
+    if device_size <= 0 or device_size % spec.page_size:
+        raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
+    if io_backend == "direct" and layout == "page_first":
+        layout = "page_first_direct"
+    prepare()
+    release = sglang_version() or ""
+    if importlib.util.find_spec("sglang.srt.mem_cache.pool_host") is not None:
+        h = _build_pool_host_release(spec, io_backend, layout, device_size, host_ratio, write_policy)
+    else:
+        h = _build_memory_pool_host_release(spec, io_backend, layout, device_size, host_ratio, write_policy)
+    h.release = release
+    _use_cpu_streams(h.controller)
+    _register_buffers(h)
+    return h
+
+
+def _tensors_of(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor a pool object holds (attributes, lists, dataclass fields), for the kernels'
+    pointer tables."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 3 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors_of(o, depth + 1)]
+    fields = getattr(obj, "__dataclass_fields__", None) or getattr(obj, "__struct_fields__", None)
+    if fields is not None:
+        return [t for f in fields for t in _tensors_of(getattr(obj, f, None), depth + 1)]
+    if depth == 0 and hasattr(obj, "__dict__"):
+        return [t for v in vars(obj).values() for t in _tensors_of(v, depth + 1)]
+    return []
+
+
+def _register_buffers(h: SGLangHarness) -> None:
+    from . import kernels
+
+    for obj in (h.kv_pool, h.kv_host, h.mamba_pool, h.mamba_host):
+        if obj is None:
+            continue
+        for t in _tensors_of(obj):
+            if (t.numel() and t.dtype not in (torch.int64, torch.uint64)) or t.dim() > 1:  # data, not index lists
+                kernels.register_buffers(t)
+        cache = getattr(obj, "mamba_cache", None)
+        if cache is not None:
+            kernels.register_buffers(*_tensors_of(cache, 1))
+
+
+def _use_cpu_streams(c: Any) -> None:
+    engine = getattr(c, "l2_transfer_engine", None)
+    if engine is not None and hasattr(engine, "device_to_host_stream"):
+        engine.device_to_host_stream = torch.Stream("cpu")
+        engine.host_to_device_stream = torch.Stream("cpu")
+    else:
+        c.write_stream = torch.Stream("cpu")
+        c.load_stream = torch.Stream("cpu")
+
+
+def _mamba_params(spec: ModelSpec, mod: Any) -> Any:
+    """SGLang's ``Mamba2CacheParams`` for the spec's conv and temporal state shapes."""
+    conv_dim, win = spec.mamba_conv_shape
+    shape_cls = mod.Mamba2StateShape
+    fields = {f for f in getattr(shape_cls, "__dataclass_fields__", {})}
+    heads, head_dim, state = spec.mamba_ssm_shape
+    candidates = dict(
+        conv=[(conv_dim, win)],
+        temporal=(heads, head_dim, state),
+        intermediate_size=heads * head_dim,
+        conv_dim=conv_dim,
+        ssm_state_size=state,
+        num_heads=heads,
+        head_dim=head_dim,
+        state_size=state,
+        conv_kernel=win + 1,
+    )
+    shape = shape_cls(**{k: v for k, v in candidates.items() if k in fields})
+    dtype = mod.Mamba2StateDType(conv=spec.mamba_dtype, temporal=spec.mamba_dtype)
+    return mod.Mamba2CacheParams(shape=shape, layers=list(spec.mamba_layer_ids), dtype=dtype)
+
+
+def _layer_maps(spec: ModelSpec) -> tuple[dict[int, int], dict[int, int], int]:
+    kv = {g: i for i, g in enumerate(spec.kv_layer_ids)}
+    mamba = {g: i for i, g in enumerate(spec.mamba_layer_ids)}
+    return kv, mamba, spec.num_layers
+
+
+def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any) -> tuple[Any, Any]:
+    kv_pool = mp.MHATokenToKVPool(
+        **_kw(
+            mp.MHATokenToKVPool.__init__,
+            size=device_size,
+            page_size=spec.page_size,
+            dtype=spec.dtype,
+            head_num=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            layer_num=len(spec.kv_layer_ids),
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+    )
+    if spec.page_size == 1:
+        allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, "cpu", kv_pool, False)
+    else:
+        allocator = alloc_mod.PagedTokenToKVPoolAllocator(
+            **_kw(
+                alloc_mod.PagedTokenToKVPoolAllocator.__init__,
+                size=device_size,
+                page_size=spec.page_size,
+                dtype=spec.dtype,
+                device="cpu",
+                kvcache=kv_pool,
+                need_sort=False,
+            )
+        )
+    return kv_pool, allocator
+
+
+def _to_cuda_indices(*objs: Any) -> None:
+    """Device allocators hand out "CUDA" index tensors from here on."""
+    for obj in objs:
+        if obj is None:
+            continue
+        obj.device = "cuda"
+        obj.clear()
+
+
+def _build_memory_pool_host_release(
+    spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str
+) -> SGLangHarness:
+    """Releases whose host pools live in ``mem_cache/memory_pool_host.py`` (0.5.10, 0.5.11)."""
+    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
+    mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
+    storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
+    cc = importlib.import_module("sglang.srt.managers.cache_controller")
+    _bind_kernels()
+    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod)
+    kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=False)
+    h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
+    h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
+    event = threading.Event()
+    if not spec.mamba_layer_ids:
+        kv_pool.device = "cuda"
+        _to_cuda_indices(allocator)
+        h.controller = cc.HiCacheController(
+            allocator, kv_host, spec.page_size, None, event, write_policy=write_policy, io_backend=io_backend
+        )
+        return h
+    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    hcc = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
+    mamba_size = max(8, device_size // spec.page_size)
+    mamba_pool = mp.MambaPool(
+        **_kw(
+            mp.MambaPool.__init__,
+            size=mamba_size,
+            spec_state_size=mamba_size,
+            cache_params=_mamba_params(spec, mu),
+            mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
+            device="cpu",
+        )
+    )
+    mamba_host = mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=False, layout=layout)
+    kv_map, mamba_map, n = _layer_maps(spec)
+    group = mph.HostPoolGroup(
+        [
+            mph.PoolEntry(
+                name=storage.PoolName.KV,
+                host_pool=kv_host,
+                device_pool=kv_pool,
+                layer_mapper=lambda i, m=kv_map: m.get(i) if 0 <= i < n else None,
+                is_primary_index_anchor=True,
+            ),
+            mph.PoolEntry(
+                name=storage.PoolName.MAMBA,
+                host_pool=mamba_host,
+                device_pool=mamba_pool,
+                layer_mapper=lambda i, m=mamba_map: m.get(i) if 0 <= i < n else None,
+            ),
+        ]
+    )
+    kv_pool.device = "cuda"
+    mamba_pool.device = "cuda"
+    _to_cuda_indices(allocator, mamba_pool)
+    h.controller = hcc.HybridCacheController(
+        allocator,
+        group,
+        spec.page_size,
+        None,
+        event,
+        **_kw(hcc.HybridCacheController.__init__, write_policy=write_policy, io_backend=io_backend, transfer_layer_num=n),
+    )
+    h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_pool, mamba_host
+    return h
+
+
+def _build_pool_host_release(
+    spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str
+) -> SGLangHarness:
+    """Releases with the ``mem_cache/pool_host`` package and the L2 transfer engine (0.5.2x)."""
+    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
+    mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
+    group_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
+    storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
+    cc = importlib.import_module("sglang.srt.managers.cache_controller")
+    _bind_kernels()
+    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod)
+    info = kv_pool.get_device_pool_infos()[0].buffer_info
+    host_cls = mha.get_mha_host_pool_cls(info) if hasattr(mha, "get_mha_host_pool_cls") else mha.MHATokenToKVPoolHost
+    kv_host = host_cls(
+        info,
+        host_ratio,
+        0,
+        spec.page_size,
+        layout,
+        **_kw(
+            host_cls.__init__,
+            pin_memory=False,
+            device_capacity_tokens=kv_pool.size,
+            start_layer=kv_pool.start_layer,
+            end_layer=kv_pool.end_layer,
+            write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None),
+        ),
+    )
+    h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
+    h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
+    event = threading.Event()
+    if not spec.mamba_layer_ids:
+        kv_pool.device = "cuda"
+        _to_cuda_indices(allocator)
+        h.controller = cc.HiCacheController(
+            allocator, kv_host, spec.page_size, None, event, write_policy=write_policy, io_backend=io_backend
+        )
+        return h
+    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    mamba_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.mamba")
+    amb = importlib.import_module("sglang.srt.mem_cache.allocator.mamba")
+    asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    hcc = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
+    mamba_size = max(8, device_size // spec.page_size)
+    mamba_pool = mp.MambaPool(
+        **_kw(
+            mp.MambaPool.__init__,
+            size=mamba_size,
+            spec_state_size=mamba_size,
+            cache_params=_mamba_params(spec, mu),
+            mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
+            device="cpu",
+        )
+    )
+    mamba_allocator = amb.MambaSlotAllocator(mamba_size, "cpu")
+    mamba_info = mamba_pool.get_device_pool_infos()[0].buffer_info
+    mamba_host = mamba_mod.MambaPoolHost(
+        mamba_info,
+        host_ratio,
+        0,
+        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_size, pin_memory=False, layout=layout),
+    )
+    kv_map, mamba_map, n = _layer_maps(spec)
+    group = group_mod.HostPoolGroup(
+        [
+            asm.build_pool_entry(
+                name=storage.PoolName.KV,
+                host_pool=kv_host,
+                device_pool=kv_pool,
+                layer_mapping=kv_map,
+                transfer_layer_id_max=n,
+                is_anchor=True,
+            ),
+            asm.build_pool_entry(
+                name=storage.PoolName.MAMBA,
+                host_pool=mamba_host,
+                device_pool=mamba_pool,
+                layer_mapping=mamba_map,
+                transfer_layer_id_max=n,
+                device_alloc_fn=mamba_allocator.alloc,
+                device_free_fn=mamba_allocator.free,
+            ),
+        ]
+    )
+    kv_pool.device = "cuda"
+    mamba_pool.device = "cuda"
+    _to_cuda_indices(allocator, mamba_allocator)
+    h.controller = hcc.HybridCacheController(
+        allocator,
+        group,
+        spec.page_size,
+        None,
+        event,
+        **_kw(hcc.HybridCacheController.__init__, write_policy=write_policy, io_backend=io_backend, transfer_layer_id_max=n),
+    )
+    h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_allocator, mamba_host
+    return h
