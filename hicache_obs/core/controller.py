@@ -185,6 +185,18 @@ class HiCacheController:
         self._detail = event_detail == "full"
         #: (id(tensor), pool, role) -> the TensorRef the submission in progress described
         self._submitted_refs: dict[tuple[int, str, str], TensorRef] = {}
+        # what the next runtime report is about: (op, pool, role, tensor[, known runs])
+        self._expect_record: tuple[int, str, str, torch.Tensor] | None = None
+        self._expect_move: tuple[int, str, str, torch.Tensor, Any] | None = None
+        observers = getattr(self.runtime, "observers", None)
+        if observers is None:
+            raise ConfigError(
+                f"runtime {getattr(self.runtime, 'name', type(self.runtime).__name__)!r} has no 'observers' "
+                "(CallObservers): stream records and index moves are reported by the runtime"
+            )
+        self._unobserve = (
+            observers.add(record=self._observed_record, move=self._observed_move) if self._detail else (lambda: None)
+        )
         self._native_copies = getattr(self.runtime, "native_copies", None) is not None
         self._lock = threading.RLock()
         self._closed = False
@@ -687,15 +699,11 @@ class HiCacheController:
         if self.io_backend == "kernel":
             if rt.has_device and not rt.is_device(host_indices):
                 known = runs_of(host_indices.numpy()) if self._detail else None
-                moved = rt.to_device(host_indices, non_blocking=True)
-                self._moved(op, pool, "host", host_indices, moved, known)
-                host_indices = moved
+                host_indices = self._move(host_indices, op, pool, "host", known, to_device=True)
             return host_indices, device_indices
         if self.io_backend == "direct":
             if rt.is_device(device_indices):
-                moved = rt.to_host(device_indices)
-                self._moved(op, pool, "device", device_indices, moved, None)
-                device_indices = moved
+                device_indices = self._move(device_indices, op, pool, "device", None, to_device=False)
             if self.layout == "layer_first":
                 order = torch.argsort(host_indices, stable=True)
                 host_indices = host_indices[order]
@@ -705,21 +713,15 @@ class HiCacheController:
             return host_indices, device_indices
         raise UnknownBackendError(f"unknown io backend {self.io_backend!r}")
 
-    def _moved(
-        self, op: int, pool: str, role: str, src: torch.Tensor, dst: torch.Tensor, known: Any
-    ) -> None:
-        """``known``: the runs of the values moved, read before the move (``None``: unknown)."""
-        if not self._detail:
-            return
-        self.log.emit(  # not folded by the bookkeeping: no need of _emit's immediate fold
-            IndicesMoved,
-            op=op,
-            pool=pool,
-            role=role,
-            src_device=self.runtime.tensor_device(src),
-            dst_device=self.runtime.tensor_device(dst),
-            tensor=self._ref(dst, pool, role, known),
-        )
+    def _move(self, t: torch.Tensor, op: int, pool: str, role: str, known: Any, *, to_device: bool) -> torch.Tensor:
+        """Copy an index tensor to the device (non-blocking) or to the host; the runtime
+        reports the copy (``IndicesMoved``). ``known``: the values' runs, read before."""
+        rt = self.runtime
+        self._expect_move = (op, pool, role, t, known)
+        try:
+            return rt.to_device(t, non_blocking=True) if to_device else rt.to_host(t)
+        finally:
+            self._expect_move = None
 
     def _move_op(self, op: CacheOperation) -> CacheOperation:
         host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
@@ -744,11 +746,37 @@ class HiCacheController:
         rt = self.runtime
         for role, t in (("host", host), ("device", device)):
             if rt.is_device(t):
-                rt.record_stream(t, stream)
-                if self._detail:
-                    # the submission just described this tensor (the same pool and role)
-                    ref = self._submitted_refs.get((id(t), pool, role)) or self._ref(t, pool, role)
-                    self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=stream.name, tensor=ref)
+                self._expect_record = (op, pool, role, t)
+                try:
+                    rt.record_stream(t, stream)  # the runtime reports the record it made
+                finally:
+                    self._expect_record = None
+
+    def _observed_record(self, tensor: torch.Tensor, stream: Any) -> None:
+        """The runtime recorded ``tensor`` on ``stream``: a ``StreamRecorded`` if it is ours."""
+        exp = self._expect_record
+        if exp is None or exp[3] is not tensor:
+            return  # another controller's record, on a shared runtime
+        op, pool, role, t = exp
+        # the submission just described this tensor (the same pool and role)
+        ref = self._submitted_refs.get((id(t), pool, role)) or self._ref(t, pool, role)
+        self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref)
+
+    def _observed_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The runtime copied index tensor ``src`` to ``dst``: an ``IndicesMoved`` if it is ours."""
+        exp = self._expect_move
+        if exp is None or exp[3] is not src:
+            return
+        op, pool, role, _, known = exp
+        self.log.emit(  # not folded by the bookkeeping: no need of _emit's immediate fold
+            IndicesMoved,
+            op=op,
+            pool=pool,
+            role=role,
+            src_device=self.runtime.tensor_device(src),
+            dst_device=self.runtime.tensor_device(dst),
+            tensor=self._ref(dst, pool, role, known),
+        )
 
     # ----------------------------------------------------------- submission
     def _pairs(self, op: CacheOperation) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -965,6 +993,7 @@ class HiCacheController:
             self.poll_loads()
             self._closed = True
             self._unsubscribe_state()
+            self._unobserve()
             if self._owns_log:
                 self.log.close()
 

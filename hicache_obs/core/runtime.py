@@ -11,6 +11,10 @@ Operations of every :class:`Runtime`:
 - ``empty(shape, dtype)``: a long-lived device buffer (pool storage)
 - ``launch(fn, *tensors)``: run ``fn(*tensors)`` as work on the current stream
 - ``synchronize()``; ``drain()``
+- ``observers``: a :class:`CallObservers` the runtime reports its served calls to: a
+  record it made (``record_stream``) and an index tensor it copied to another device
+  (``to_device``/``to_host``). The controller's ``StreamRecorded`` and ``IndicesMoved``
+  events come from these reports, never from its own account.
 
 Three implementations: ``cpu`` (synchronous, nothing is a device tensor),
 ``sim`` (a CPU model of CUDA streams and the caching allocator, in
@@ -31,6 +35,7 @@ import torch
 from ..errors import ConfigError, RuntimeUnavailableError
 
 __all__ = [
+    "CallObservers",
     "Stream",
     "DeviceEvent",
     "Runtime",
@@ -56,10 +61,59 @@ class DeviceEvent(Protocol):
     def elapsed_ns(self, end: DeviceEvent) -> int | None: ...
 
 
+class CallObservers:
+    """Callbacks a runtime runs for calls it served.
+
+    ``records``: ``fn(tensor, stream)`` after ``record_stream`` really recorded ``tensor``
+    on ``stream``; ``moves``: ``fn(src, dst)`` after ``to_device``/``to_host`` copied ``src``
+    to the new tensor ``dst``. :meth:`add` returns the callable that removes them.
+    """
+
+    __slots__ = ("records", "moves", "_lock")
+
+    def __init__(self) -> None:
+        self.records: tuple[Callable[[torch.Tensor, Any], None], ...] = ()
+        self.moves: tuple[Callable[[torch.Tensor, torch.Tensor], None], ...] = ()
+        self._lock = threading.Lock()
+
+    def add(
+        self,
+        *,
+        record: Callable[[torch.Tensor, Any], None] | None = None,
+        move: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> Callable[[], None]:
+        with self._lock:
+            if record is not None:
+                self.records = (*self.records, record)
+            if move is not None:
+                self.moves = (*self.moves, move)
+
+        def remove() -> None:
+            with self._lock:
+                if record is not None and record in self.records:
+                    self.records = tuple(f for f in self.records if f is not record)
+                if move is not None and move in self.moves:
+                    self.moves = tuple(f for f in self.moves if f is not move)
+
+        return remove
+
+    def moved(self, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """Report a copy (if it made a new tensor) and return ``dst``."""
+        if dst is not src:
+            for fn in self.moves:
+                fn(src, dst)
+        return dst
+
+    def recorded(self, tensor: torch.Tensor, stream: Any) -> None:
+        for fn in self.records:
+            fn(tensor, stream)
+
+
 class Runtime(Protocol):
     name: str
     device: str  # "cpu", "sim:0", "cuda:0": how events name this runtime's device
     has_device: bool  # False when there is no separate device memory (cpu)
+    observers: CallObservers
 
     def stream(self, name: str) -> Any: ...
     def current_stream(self) -> Any: ...
@@ -145,6 +199,7 @@ class CpuRuntime:
     has_device = False
 
     def __init__(self) -> None:
+        self.observers = CallObservers()
         self._main = _CpuStream("main")
         self._tls = threading.local()  # the current stream is per thread
         self.native_copies = native_copy_loop()
@@ -168,7 +223,7 @@ class CpuRuntime:
         return _CpuEvent()
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        return None
+        return None  # nothing is a device tensor: no record to make, nothing to report
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return False
@@ -265,6 +320,7 @@ class CudaRuntime:
             )
         self._device = torch.device(device if isinstance(device, str) else f"cuda:{device}")
         self.device = str(self._device)
+        self.observers = CallObservers()
 
     def stream(self, name: str) -> Any:
         return _NamedCudaStream(name, device=self._device)
@@ -282,15 +338,16 @@ class CudaRuntime:
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         if tensor.is_cuda:
             tensor.record_stream(getattr(stream, "stream", stream))
+            self.observers.recorded(tensor, stream)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return bool(tensor.is_cuda)
 
     def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        return tensor.to(self._device, non_blocking=non_blocking)
+        return self.observers.moved(tensor, tensor.to(self._device, non_blocking=non_blocking))
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.cpu()
+        return self.observers.moved(tensor, tensor.cpu())
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self._device)

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .runtime import CallObservers
+
 __all__ = ["SimRuntime", "SimTensor", "SimStream", "SimEvent"]
 
 _MIN_BLOCK = 512
@@ -281,6 +283,7 @@ class SimRuntime:
         self._closed = False
         self.blocks_allocated = 0
         self.blocks_reused = 0
+        self.observers = CallObservers()
 
     # ----------------------------------------------------------- allocator model
     def _alloc_block(self, nbytes: int) -> _Block:
@@ -404,6 +407,7 @@ class SimRuntime:
         if blk.streams is None:
             blk.streams = set()
         blk.streams.add(stream)
+        self.observers.recorded(tensor, stream)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, SimTensor)
@@ -411,12 +415,12 @@ class SimRuntime:
     def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         if isinstance(tensor, SimTensor):
             return tensor
-        return self._alloc_copy(tensor)
+        return self.observers.moved(tensor, self._alloc_copy(tensor))
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, SimTensor):
             with torch._C.DisableTorchFunctionSubclass():
-                return torch.Tensor.clone(tensor.as_subclass(torch.Tensor))
+                return self.observers.moved(tensor, torch.Tensor.clone(tensor.as_subclass(torch.Tensor)))
         return tensor
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
