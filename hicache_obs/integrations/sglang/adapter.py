@@ -243,6 +243,7 @@ class _Submission:
     inst: Instrumentation
     direction: str
     queued: tuple[int, ...]
+    queued_ops: list[Any] = field(default_factory=list)
     op: Any = None
     merged_emitted: bool = False
     pool: str | None = None  # the pool whose copy is running
@@ -311,9 +312,11 @@ def _detect(c: Any) -> _Shape:
         move, takes_op = ["move_hybrid_indices"], True
     elif callable(getattr(c, "move_indices", None)):
         params = [p for p in inspect.signature(c.move_indices).parameters.values() if p.default is p.empty]
+        # move_indices(op) (0.5.10), or move_indices(host, device): the merged op is then
+        # read off the queue (one op) or is the one the merge just made (the newest id)
         move, takes_op = ["move_indices"], len(params) == 1
-        if not takes_op:
-            missing.append("an op-level index move (_move_op_indices, move_hybrid_indices or move_indices(op))")
+        if len(params) not in (1, 2):
+            missing.append("an index move (_move_op_indices, move_hybrid_indices or move_indices)")
     else:
         move, takes_op = [], False
         missing.append("move_indices")
@@ -522,10 +525,10 @@ class Instrumentation:
             def start(*args: Any, **kwargs: Any) -> Any:
                 if getattr(_tls, "sub", None) is not None:  # re-entered: one submission
                     return original(*args, **kwargs)
-                queued = tuple(int(op.id) for op in getattr(self.controller, queue_attr))
-                if not queued:
+                ops = list(getattr(self.controller, queue_attr))
+                if not ops:
                     return original(*args, **kwargs)
-                sub = _Submission(self, direction, queued)
+                sub = _Submission(self, direction, tuple(int(op.id) for op in ops), ops)
                 _tls.sub = sub
                 try:
                     result = original(*args, **kwargs)
@@ -548,31 +551,43 @@ class Instrumentation:
                 sub = getattr(_tls, "sub", None)
                 if sub is None or sub.op is not None:  # outside a submission, or an inner move
                     return original(op, *args, **kwargs)
+                if not takes_op:  # move_indices(host, device): the anchor pair of the merged op
+                    result = original(op, *args, **kwargs)
+                    device = args[0] if args else kwargs["device_indices"]
+                    sub.op = _merged_view(sub, op, device)
+                    self._merged(sub)
+                    self._report_moves(sub.op, {(ANCHOR, "host"): op, (ANCHOR, "device"): sub.op.device_indices},
+                                       self._op_tensors(result[0], result[1], None))
+                    return result
                 sub.op = op
                 self._merged(sub)
                 before = self._op_tensors(op.host_indices, op.device_indices, getattr(op, "pool_transfers", None))
                 result = original(op, *args, **kwargs)
                 host, device = result[0], result[1]
                 transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
-                after = self._op_tensors(host, device, transfers)
-                for key, src in before.items():
-                    dst = after.get(key)
-                    if dst is not None and dst is not src and _device_name(dst) != _device_name(src):
-                        self.log.emit(
-                            IndicesMoved,
-                            op=int(op.id),
-                            pool=key[0],
-                            role=key[1],
-                            src_device=_device_name(src),
-                            dst_device=_device_name(dst),
-                            tensor=_ref(dst, key[0], key[1]),
-                        )
+                self._report_moves(op, before, self._op_tensors(host, device, transfers))
                 return result
 
             move.__wrapped__ = original  # type: ignore[attr-defined]
             return move
 
         return make
+
+    def _report_moves(
+        self, op: Any, before: dict[tuple[str, str], torch.Tensor], after: dict[tuple[str, str], torch.Tensor]
+    ) -> None:
+        for key, src in before.items():
+            dst = after.get(key)
+            if dst is not None and dst is not src and _device_name(dst) != _device_name(src):
+                self.log.emit(
+                    IndicesMoved,
+                    op=int(op.id),
+                    pool=key[0],
+                    role=key[1],
+                    src_device=_device_name(src),
+                    dst_device=_device_name(dst),
+                    tensor=_ref(dst, key[0], key[1]),
+                )
 
     def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -751,6 +766,31 @@ class Instrumentation:
         p = self._pending.pop(id(ack), None)
         if p is not None:
             self.log.emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
+
+
+@dataclass
+class _OpView:
+    """The merged op of a release whose move takes (host, device): what the adapter reads of it."""
+
+    id: int
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+    node_ids: list[int]
+    priority: int
+    pool_transfers: Any = None
+
+
+def _merged_view(sub: _Submission, host: torch.Tensor, device: torch.Tensor) -> _OpView:
+    ops = sub.queued_ops
+    if len(ops) == 1:
+        op_id = int(ops[0].id)
+    else:  # merge_ops made a new op just now: SGLang's op ids come from one class counter
+        counter = getattr(type(ops[0]), "counter", None)
+        if not isinstance(counter, int):
+            raise IntegrationError(f"{type(ops[0]).__name__} has no integer 'counter': the merged op's id is unknown")
+        op_id = counter - 1
+    node_ids = [n for op in ops for n in getattr(op, "node_ids", [])]
+    return _OpView(op_id, host, device, node_ids, min(int(op.priority) for op in ops))
 
 
 def _rank_of(controller: Any) -> int:
