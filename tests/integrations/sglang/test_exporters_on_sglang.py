@@ -91,7 +91,7 @@ def test_readme_sglang_example_runs() -> None:
     h = build_controller(ModelSpec.tiny_hybrid(), io_backend="kernel" if FIXED else "direct")
 
     class _Scheduler:  # what the README's example reaches through
-        class tree_cache:  # noqa: N801
+        class tree_cache:
             cache_controller = h.controller
 
     code = block.group(1).replace("    ...                                     # serve; inst.log is the event log",
