@@ -29,6 +29,7 @@ lacks one of the required boundaries is refused before anything is changed.
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -64,6 +65,7 @@ ANCHOR = "kv"
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 _TRUE_DEVICE = torch._C.TensorBase.device.__get__  # the storage's device, whatever a subclass reports
 _tls = threading.local()
+_log = logging.getLogger("hicache_obs.integrations.sglang")
 # controller -> its instrumentation, weakly both ways: the wrappers on the controller keep the
 # instrumentation alive exactly as long as the controller
 _registry: weakref.WeakKeyDictionary[Any, weakref.ref[Instrumentation]] = weakref.WeakKeyDictionary()
@@ -174,7 +176,7 @@ class _OpQueue(list):  # type: ignore[type-arg]
 
     def append(self, op: Any) -> None:
         super().append(op)
-        self._inst._queued(op, self._direction)
+        self._inst._safely(self._inst._queued, op, self._direction)
 
 
 class _AckQueue(list):  # type: ignore[type-arg]
@@ -187,28 +189,28 @@ class _AckQueue(list):  # type: ignore[type-arg]
 
     def append(self, ack: Any) -> None:
         super().append(ack)
-        self._inst._ack_appended(ack, self._direction)
+        self._inst._safely(self._inst._ack_appended, ack, self._direction)
 
     def pop(self, index: Any = -1) -> Any:
         ack = super().pop(index)
-        self._inst._ack_taken(ack, self._direction)
+        self._inst._safely(self._inst._ack_taken, ack, self._direction)
         return ack
 
     def __delitem__(self, key: Any) -> None:
         taken = self[key] if isinstance(key, slice) else [self[key]]
         super().__delitem__(key)
         for ack in taken:
-            self._inst._ack_taken(ack, self._direction)
+            self._inst._safely(self._inst._ack_taken, ack, self._direction)
 
     def remove(self, ack: Any) -> None:
         super().remove(ack)
-        self._inst._ack_taken(ack, self._direction)
+        self._inst._safely(self._inst._ack_taken, ack, self._direction)
 
     def clear(self) -> None:
         taken = list(self)
         super().clear()
         for ack in taken:
-            self._inst._ack_cancelled(ack, self._direction, "ack queue cleared (controller reset)")
+            self._inst._safely(self._inst._ack_cancelled, ack, self._direction, "ack queue cleared (controller reset)")
 
 
 # ----------------------------------------------------- conversions inside a copy
@@ -246,7 +248,6 @@ class _Submission:
     queued_ops: list[Any] = field(default_factory=list)
     op: Any = None
     merged_emitted: bool = False
-    pool: str | None = None  # the pool whose copy is running
     uses: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
     records: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
     acks: list[Any] = field(default_factory=list)
@@ -405,11 +406,35 @@ class Instrumentation:
         self._stream_names: dict[int, str] = {}
         self._slot_bytes: dict[str, int] = {}
         self._detached = False
+        self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
 
     # ------------------------------------------------------------- public
+    @property
+    def errors(self) -> int:
+        """Events that could not be appended to the log (logged; the controller carried on)."""
+        return self._errors
+
+    def _emit(self, cls: Any, **fields: Any) -> None:
+        """Append an event; a failure is counted and logged, never raised into SGLang."""
+        try:
+            self.log.emit(cls, **fields)
+        except Exception:
+            self._errors += 1
+            if self._errors == 1 or self._errors % 10000 == 0:
+                _log.exception("hicache-obs could not record a %s event (%d so far)", cls.__name__, self._errors)
+
+    def _safely(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        """Run an observation step; an error in it is counted and logged, never raised into SGLang."""
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            self._errors += 1
+            if self._errors == 1 or self._errors % 10000 == 0:
+                _log.exception("hicache-obs could not describe a %s call (%d errors so far)", fn.__name__, self._errors)
+
     @property
     def detached(self) -> bool:
         return self._detached
@@ -443,7 +468,7 @@ class Instrumentation:
             self._slot_bytes[name] = int(getattr(p.host, "size_per_token", 0) or 0)
             for obj, tier in ((p.device, "device"), (p.host, "host")):
                 cap, page = _capacity(obj, tier)
-                self.log.emit(
+                self._emit(
                     PoolCreated,
                     pool=name,
                     tier=tier,
@@ -487,7 +512,7 @@ class Instrumentation:
         in_use[free_arr[(free_arr >= 0) & (free_arr < capacity)]] = False
         used = np.flatnonzero(in_use).astype(np.int64)
         if used.size:
-            self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
+            self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
 
     def _swap_list(self, obj: Any, attr: str, cls: type, direction: str) -> None:
         original = getattr(obj, attr)
@@ -534,10 +559,10 @@ class Instrumentation:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
                     _tls.sub = None
-                    self._finish(sub, result=None, error=exc)
+                    self._safely(self._finish, sub, result=None, error=exc)
                     raise
                 _tls.sub = None
-                self._finish(sub, result=result, error=None)
+                self._safely(self._finish, sub, result=result, error=None)
                 return result
 
             start.__wrapped__ = original  # type: ignore[attr-defined]
@@ -555,17 +580,21 @@ class Instrumentation:
                     result = original(op, *args, **kwargs)
                     device = args[0] if args else kwargs["device_indices"]
                     sub.op = _merged_view(sub, op, device)
-                    self._merged(sub)
-                    self._report_moves(sub.op, {(ANCHOR, "host"): op, (ANCHOR, "device"): sub.op.device_indices},
-                                       self._op_tensors(result[0], result[1], None))
+                    self._safely(self._merged, sub)
+                    self._safely(
+                        self._report_moves,
+                        sub.op,
+                        {(ANCHOR, "host"): op, (ANCHOR, "device"): device},
+                        self._op_tensors(result[0], result[1], None),
+                    )
                     return result
                 sub.op = op
-                self._merged(sub)
+                self._safely(self._merged, sub)
                 before = self._op_tensors(op.host_indices, op.device_indices, getattr(op, "pool_transfers", None))
                 result = original(op, *args, **kwargs)
                 host, device = result[0], result[1]
                 transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
-                self._report_moves(op, before, self._op_tensors(host, device, transfers))
+                self._safely(self._report_moves, op, before, self._op_tensors(host, device, transfers))
                 return result
 
             move.__wrapped__ = original  # type: ignore[attr-defined]
@@ -579,7 +608,7 @@ class Instrumentation:
         for key, src in before.items():
             dst = after.get(key)
             if dst is not None and dst is not src and _device_name(dst) != _device_name(src):
-                self.log.emit(
+                self._emit(
                     IndicesMoved,
                     op=int(op.id),
                     pool=key[0],
@@ -620,9 +649,7 @@ class Instrumentation:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.numel():
-                    values = _host_values(out)
-                    if values is not None:
-                        self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(values))
+                    self._safely(self._slots, SlotsAllocated, pool, tier, _host_values(out))
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -633,10 +660,11 @@ class Instrumentation:
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
+                # read before the free: the allocator may keep the tensor in its free list
                 values = _host_values(indices) if isinstance(indices, torch.Tensor) and indices.numel() else None
                 out = original(indices, *args, **kwargs)
                 if values is not None:
-                    self.log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs_of(values))
+                    self._safely(self._slots, SlotsFreed, pool, tier, values)
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -645,6 +673,10 @@ class Instrumentation:
         return make
 
     # ------------------------------------------------------------- events
+    def _slots(self, cls: Any, pool: str, tier: str, values: Any) -> None:
+        if values is not None:  # None: device values a read would sync for (a GPU)
+            self._emit(cls, pool=pool, tier=tier, indices=runs_of(values))
+
     @staticmethod
     def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:
         out: dict[tuple[str, str], torch.Tensor] = {}
@@ -669,7 +701,7 @@ class Instrumentation:
 
     def _queued(self, op: Any, direction: str) -> None:
         node_ids = getattr(op, "node_ids", None) or [-1]
-        self.log.emit(
+        self._emit(
             OperationQueued,
             op=int(op.id),
             direction=direction,
@@ -685,7 +717,7 @@ class Instrumentation:
         op = sub.op
         op_id = int(op.id) if op is not None else sub.queued[0]
         node_ids = tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else ()
-        self.log.emit(OperationsMerged, op=op_id, merged_ops=sub.queued, direction=sub.direction, node_ids=node_ids)
+        self._emit(OperationsMerged, op=op_id, merged_ops=sub.queued, direction=sub.direction, node_ids=node_ids)
 
     def _stream_name(self, stream: Any) -> str:
         return self._stream_names.get(id(stream)) or f"stream@{id(stream):x}"
@@ -709,23 +741,23 @@ class Instrumentation:
             by_ptr[(ref.ptr, ref.numel)] = (pool, role, ref)
         slots = self._slots_by_pool(op) if op is not None else ()
         for pool, role, src, dst, ref in sub.side_moves:
-            self.log.emit(
+            self._emit(
                 IndicesMoved, op=op_id, pool=pool, role=role, src_device=src, dst_device=dst, tensor=ref, stream=stream_name
             )
-        if sub.uses or error is None:
-            self.log.emit(
-                TransferSubmitted,
-                op=op_id,
-                direction=sub.direction,
-                stream=stream_name,
-                io_backend=self._shape.io_backend,
-                layout=self._shape.layout,
-                tensors=tuple(refs),
-                slots_by_pool=slots,
-                bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
-                producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
-                device=self._device,
-            )
+        # also for a failed launch: the fold then sees it submitted, then failed
+        self._emit(
+            TransferSubmitted,
+            op=op_id,
+            direction=sub.direction,
+            stream=stream_name,
+            io_backend=self._shape.io_backend,
+            layout=self._shape.layout,
+            tensors=tuple(refs),
+            slots_by_pool=slots,
+            bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+            producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
+            device=self._device,
+        )
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))
             if hit is None:
@@ -735,11 +767,11 @@ class Instrumentation:
             if hit is None:
                 continue  # a tensor no copy of this op received
             pool, role, ref = hit
-            self.log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=self._stream_name(rec_stream), tensor=ref)
+            self._emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=self._stream_name(rec_stream), tensor=ref)
         if error is not None:
             for ack in sub.acks:
                 self._pending.pop(id(ack), None)
-            self.log.emit(TransferFailed, op=op_id, direction=sub.direction, error=f"{type(error).__name__}: {error}")
+            self._emit(TransferFailed, op=op_id, direction=sub.direction, error=f"{type(error).__name__}: {error}")
             return
         for ack in sub.acks:
             self._pending[id(ack)] = _Pending(op_id, sub.direction)
@@ -760,12 +792,12 @@ class Instrumentation:
                 duration = int(start.elapsed_time(finish) * 1e6)
             except (RuntimeError, ValueError, TypeError, NotImplementedError):
                 duration = 0
-        self.log.emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
+        self._emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
 
     def _ack_cancelled(self, ack: Any, direction: str, why: str) -> None:
         p = self._pending.pop(id(ack), None)
         if p is not None:
-            self.log.emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
+            self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
 
 
 @dataclass

@@ -293,3 +293,18 @@ def test_plain_controller() -> None:
     assert audit(inst.log.events()) == []
     pools = {t.pool for e in inst.log.events() if isinstance(e, TransferSubmitted) for t in e.tensors}
     assert pools == {"kv"}
+
+
+def test_a_failing_log_never_breaks_the_controller() -> None:
+    h = _build() if FIXED else _build(io_backend="direct")
+    log = EventLog()
+    inst = instrument(h.controller, log=log)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the log refuses every event")
+
+    log.emit = refuse  # type: ignore[method-assign]  # a broken sink chain, a full disk, ...
+    loaded = _workload(h, nodes=2)  # SGLang carries on
+    assert _data_intact(h, loaded)
+    assert inst.errors > 0
+    inst.detach()
