@@ -413,10 +413,7 @@ def build_controller(
         layout = "page_first_direct"
     prepare()
     release = sglang_version() or ""
-    if importlib.util.find_spec("sglang.srt.mem_cache.pool_host") is not None:
-        h = _build_pool_host_release(spec, io_backend, layout, device_size, host_ratio, write_policy)
-    else:
-        h = _build_memory_pool_host_release(spec, io_backend, layout, device_size, host_ratio, write_policy)
+    h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy)
     h.release = release
     _use_cpu_streams(h.controller)
     _register_buffers(h)
@@ -533,87 +530,85 @@ def _to_cuda_indices(*objs: Any) -> None:
         obj.clear()
 
 
-def _build_memory_pool_host_release(
+def _build(
     spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str
 ) -> SGLangHarness:
-    """Releases whose host pools live in ``mem_cache/memory_pool_host.py`` (0.5.10, 0.5.11)."""
+    """SGLang's pools, host pools, host pool group and controller for ``spec``.
+
+    Two layouts of SGLang are known: host pools in ``mem_cache/memory_pool_host.py``
+    (0.5.10, 0.5.11), or in the ``mem_cache/pool_host`` package with the L2 transfer
+    engine (0.5.2x); the differences are in :func:`_host_pools` and :func:`_entries`."""
+    new_layout = importlib.util.find_spec("sglang.srt.mem_cache.pool_host") is not None
     mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
     alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
-    mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
     storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
     cc = importlib.import_module("sglang.srt.managers.cache_controller")
-    _bind_kernels()
     kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod)
-    kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=False)
+    mamba_pool = mamba_allocator = None
+    if spec.mamba_layer_ids:
+        mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+        mamba_size = max(8, device_size // spec.page_size)
+        mamba_pool = mp.MambaPool(
+            **_kw(
+                mp.MambaPool.__init__,
+                size=mamba_size,
+                spec_state_size=mamba_size,
+                cache_params=_mamba_params(spec, mu),
+                mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
+                device="cpu",
+            )
+        )
+        # 0.5.2x keeps the Mamba free list in an allocator of its own; earlier, in the pool
+        mamba_allocator = (
+            importlib.import_module("sglang.srt.mem_cache.allocator.mamba").MambaSlotAllocator(mamba_size, "cpu")
+            if new_layout
+            else mamba_pool
+        )
+    kv_host, mamba_host = _host_pools(new_layout, spec, kv_pool, mamba_pool, layout, host_ratio)
     h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
     h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
+    h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_allocator, mamba_host
+    kv_pool.device = "cuda"
+    if mamba_pool is not None:
+        mamba_pool.device = "cuda"
+    _to_cuda_indices(allocator, mamba_allocator)
     event = threading.Event()
-    if not spec.mamba_layer_ids:
-        kv_pool.device = "cuda"
-        _to_cuda_indices(allocator)
+    if mamba_pool is None:
         h.controller = cc.HiCacheController(
             allocator, kv_host, spec.page_size, None, event, write_policy=write_policy, io_backend=io_backend
         )
         return h
-    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
     hcc = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
-    mamba_size = max(8, device_size // spec.page_size)
-    mamba_pool = mp.MambaPool(
-        **_kw(
-            mp.MambaPool.__init__,
-            size=mamba_size,
-            spec_state_size=mamba_size,
-            cache_params=_mamba_params(spec, mu),
-            mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
-            device="cpu",
-        )
-    )
-    mamba_host = mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=False, layout=layout)
-    kv_map, mamba_map, n = _layer_maps(spec)
-    group = mph.HostPoolGroup(
-        [
-            mph.PoolEntry(
-                name=storage.PoolName.KV,
-                host_pool=kv_host,
-                device_pool=kv_pool,
-                layer_mapper=lambda i, m=kv_map: m.get(i) if 0 <= i < n else None,
-                is_primary_index_anchor=True,
-            ),
-            mph.PoolEntry(
-                name=storage.PoolName.MAMBA,
-                host_pool=mamba_host,
-                device_pool=mamba_pool,
-                layer_mapper=lambda i, m=mamba_map: m.get(i) if 0 <= i < n else None,
-            ),
-        ]
-    )
-    kv_pool.device = "cuda"
-    mamba_pool.device = "cuda"
-    _to_cuda_indices(allocator, mamba_pool)
     h.controller = hcc.HybridCacheController(
         allocator,
-        group,
+        _entries(new_layout, h, storage.PoolName),
         spec.page_size,
         None,
         event,
-        **_kw(hcc.HybridCacheController.__init__, write_policy=write_policy, io_backend=io_backend, transfer_layer_num=n),
+        **_kw(
+            hcc.HybridCacheController.__init__,
+            write_policy=write_policy,
+            io_backend=io_backend,
+            transfer_layer_num=spec.num_layers,  # 0.5.10/0.5.11
+            transfer_layer_id_max=spec.num_layers,  # 0.5.2x
+        ),
     )
-    h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_pool, mamba_host
     return h
 
 
-def _build_pool_host_release(
-    spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str
-) -> SGLangHarness:
-    """Releases with the ``mem_cache/pool_host`` package and the L2 transfer engine (0.5.2x)."""
-    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-    alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
+def _host_pools(
+    new_layout: bool, spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float
+) -> tuple[Any, Any]:
+    if not new_layout:
+        mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
+        kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=False)
+        mamba_host = (
+            None
+            if mamba_pool is None
+            else mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=False, layout=layout)
+        )
+        return kv_host, mamba_host
     mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
-    group_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
-    storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
-    cc = importlib.import_module("sglang.srt.managers.cache_controller")
-    _bind_kernels()
-    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod)
     info = kv_pool.get_device_pool_infos()[0].buffer_info
     host_cls = mha.get_mha_host_pool_cls(info) if hasattr(mha, "get_mha_host_pool_cls") else mha.MHATokenToKVPoolHost
     kv_host = host_cls(
@@ -631,72 +626,60 @@ def _build_pool_host_release(
             write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None),
         ),
     )
-    h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
-    h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
-    event = threading.Event()
-    if not spec.mamba_layer_ids:
-        kv_pool.device = "cuda"
-        _to_cuda_indices(allocator)
-        h.controller = cc.HiCacheController(
-            allocator, kv_host, spec.page_size, None, event, write_policy=write_policy, io_backend=io_backend
-        )
-        return h
-    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    if mamba_pool is None:
+        return kv_host, None
     mamba_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.mamba")
-    amb = importlib.import_module("sglang.srt.mem_cache.allocator.mamba")
-    asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
-    hcc = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
-    mamba_size = max(8, device_size // spec.page_size)
-    mamba_pool = mp.MambaPool(
-        **_kw(
-            mp.MambaPool.__init__,
-            size=mamba_size,
-            spec_state_size=mamba_size,
-            cache_params=_mamba_params(spec, mu),
-            mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
-            device="cpu",
-        )
-    )
-    mamba_allocator = amb.MambaSlotAllocator(mamba_size, "cpu")
-    mamba_info = mamba_pool.get_device_pool_infos()[0].buffer_info
     mamba_host = mamba_mod.MambaPoolHost(
-        mamba_info,
+        mamba_pool.get_device_pool_infos()[0].buffer_info,
         host_ratio,
         0,
-        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_size, pin_memory=False, layout=layout),
+        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_pool.size, pin_memory=False, layout=layout),
     )
-    kv_map, mamba_map, n = _layer_maps(spec)
-    group = group_mod.HostPoolGroup(
+    return kv_host, mamba_host
+
+
+def _entries(new_layout: bool, h: SGLangHarness, names: Any) -> Any:
+    """The host pool group: KV (the anchor) and Mamba, with their global layer maps."""
+    kv_map, mamba_map, n = _layer_maps(h.spec)
+    if not new_layout:
+        mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
+        return mph.HostPoolGroup(
+            [
+                mph.PoolEntry(
+                    name=names.KV,
+                    host_pool=h.kv_host,
+                    device_pool=h.kv_pool,
+                    layer_mapper=lambda i, m=kv_map: m.get(i) if 0 <= i < n else None,
+                    is_primary_index_anchor=True,
+                ),
+                mph.PoolEntry(
+                    name=names.MAMBA,
+                    host_pool=h.mamba_host,
+                    device_pool=h.mamba_pool,
+                    layer_mapper=lambda i, m=mamba_map: m.get(i) if 0 <= i < n else None,
+                ),
+            ]
+        )
+    group_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
+    asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    return group_mod.HostPoolGroup(
         [
             asm.build_pool_entry(
-                name=storage.PoolName.KV,
-                host_pool=kv_host,
-                device_pool=kv_pool,
+                name=names.KV,
+                host_pool=h.kv_host,
+                device_pool=h.kv_pool,
                 layer_mapping=kv_map,
                 transfer_layer_id_max=n,
                 is_anchor=True,
             ),
             asm.build_pool_entry(
-                name=storage.PoolName.MAMBA,
-                host_pool=mamba_host,
-                device_pool=mamba_pool,
+                name=names.MAMBA,
+                host_pool=h.mamba_host,
+                device_pool=h.mamba_pool,
                 layer_mapping=mamba_map,
                 transfer_layer_id_max=n,
-                device_alloc_fn=mamba_allocator.alloc,
-                device_free_fn=mamba_allocator.free,
+                device_alloc_fn=h.mamba_allocator.alloc,
+                device_free_fn=h.mamba_allocator.free,
             ),
         ]
     )
-    kv_pool.device = "cuda"
-    mamba_pool.device = "cuda"
-    _to_cuda_indices(allocator, mamba_allocator)
-    h.controller = hcc.HybridCacheController(
-        allocator,
-        group,
-        spec.page_size,
-        None,
-        event,
-        **_kw(hcc.HybridCacheController.__init__, write_policy=write_policy, io_backend=io_backend, transfer_layer_id_max=n),
-    )
-    h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_allocator, mamba_host
-    return h
