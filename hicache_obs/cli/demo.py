@@ -7,6 +7,15 @@ Prometheus sink behind ``/metrics`` on 127.0.0.1, and the OpenTelemetry span sin
 when an OTLP endpoint is given. Then it runs :class:`~hicache_obs.workload.Workload`,
 closes everything, writes ``trace.json`` and prints a summary (``--json``: one
 JSON object).
+
+``--engine sglang`` serves the same workload through SGLang's real HiCache controller
+(built on this machine's CPU, instrumented by :mod:`hicache_obs.integrations.sglang`;
+see :mod:`hicache_obs.integrations.sglang.engine`), with the same pipeline and
+summary. It refuses what it cannot honour (``--model tiny_swa``, a ``--runtime``
+other than ``cpu``, ``--layout page_first_direct`` without ``--io-backend direct``,
+any ``--fault``: it injects nothing, SGLang 0.5.10 *is* the pre-#22940 code) and
+defaults ``--layout`` to the installed release's own default. A copy SGLang raises in
+(0.5.10's kernel backend on the hybrid model) is a failed transfer, counted like ours.
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ __all__ = ["register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"]
 DEFAULT_STEPS = 200
 DEFAULT_OUT = "hicache-demo"
 TRACE_FILE = "trace.json"
+ENGINES = ("ours", "sglang")
+DEFAULT_RUNTIME = "sim"
+DEFAULT_LAYOUT = "layer_first"
 
 _EPILOG = """\
 examples:
@@ -44,6 +56,10 @@ examples:
       also send one span per transfer over OTLP/HTTP (or set
       OTEL_EXPORTER_OTLP_ENDPOINT)
   hicache-obs demo --model tiny_swa --runtime cpu --json
+  hicache-obs demo --engine sglang --steps 50
+      the same workload through SGLang's real HiCache controller, instrumented
+      (needs SGLang: make sglang; on 0.5.10 add --io-backend direct to see the
+      unrecorded Mamba indices, or keep kernel to see its copies fail)
 
 then:
   hicache-obs audit hicache-demo/      hicache-obs inspect hicache-demo/
@@ -90,6 +106,14 @@ def register(sub: Any) -> None:
         formatter_class=formatter,
     )
     p.add_argument(
+        "--engine",
+        choices=list(ENGINES),
+        default="ours",
+        metavar="NAME",
+        help="whose controller serves the workload: ours (hicache_obs.core) or sglang (SGLang's own, "
+        "instrumented; needs SGLang installed) (default: %(default)s)",
+    )
+    p.add_argument(
         "--model",
         choices=list(MODEL_PRESETS),
         default="tiny_hybrid",
@@ -99,9 +123,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--runtime",
         choices=list(RUNTIME_NAMES),
-        default="sim",
+        default=None,
         metavar="NAME",
-        help="%(choices)s (default: %(default)s)",
+        help=f"%(choices)s (default: {DEFAULT_RUNTIME}; cpu with --engine sglang)",
     )
     p.add_argument(
         "--steps",
@@ -127,9 +151,10 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--layout",
         choices=list(LAYOUTS),
-        default="layer_first",
+        default=None,
         metavar="NAME",
-        help="host pool layout: %(choices)s (default: %(default)s)",
+        help=f"host pool layout: %(choices)s (default: {DEFAULT_LAYOUT}; with --engine sglang, the "
+        "SGLang release's own default)",
     )
     p.add_argument(
         "--write-policy",
@@ -187,8 +212,15 @@ def run(args: argparse.Namespace) -> int:
     from ..workload import Workload, controller_options
 
     spec = ModelSpec.preset(args.model)
-    fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
-    runtime = make_runtime(args.runtime)  # so does a runtime this machine lacks: before --out is touched
+    harness = None
+    if getattr(args, "engine", "ours") == "sglang":
+        harness = _sglang_harness(args, spec)  # refusals, a missing SGLang: before --out is touched
+        runtime = None
+    else:
+        args.runtime = args.runtime or DEFAULT_RUNTIME
+        args.layout = args.layout or DEFAULT_LAYOUT
+        fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
+        runtime = make_runtime(args.runtime)  # so does a runtime this machine lacks: before --out is touched
     out = Path(args.out)
     _prepare_out(out, SEGMENT_GLOB)
 
@@ -206,16 +238,23 @@ def run(args: argparse.Namespace) -> int:
         auditor = Auditor().attach(log)
 
         stack.enter_context(_quiet_controller_warnings())  # failed transfers are counted, not logged
-        controller = make_controller(
-            spec,
-            fault=args.fault,
-            runtime=runtime,
-            log=log,
-            io_backend=args.io_backend,
-            layout=args.layout,
-            write_policy=args.write_policy,
-            **controller_options(spec, args.device_tokens),
-        )
+        controller: Any
+        if harness is not None:
+            from ..integrations.sglang.engine import build_engine
+
+            # after the sinks and the auditor: instrumenting reports SGLang's pools (PoolCreated)
+            controller = build_engine(harness, log=log, write_policy=args.write_policy)
+        else:
+            controller = make_controller(
+                spec,
+                fault=args.fault,
+                runtime=runtime,
+                log=log,
+                io_backend=args.io_backend,
+                layout=args.layout,
+                write_policy=args.write_policy,
+                **controller_options(spec, args.device_tokens),
+            )
         stack.callback(controller.close)
         workload = Workload(controller, seed=args.seed, fault=args.fault)
         if not args.json:
@@ -242,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
         totals = transfer_totals(events)
         summary: dict[str, Any] = {
             "steps": args.steps,
+            "engine": args.engine,
+            "sglang_release": harness.release if harness is not None else None,
             "seed": args.seed,
             "runtime": args.runtime,
             "model": args.model,
@@ -280,6 +321,30 @@ def run(args: argparse.Namespace) -> int:
             if not args.serve:
                 raise
     return EXIT_OK
+
+
+def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
+    """``--engine sglang``: refuse what it cannot honour, then build SGLang's pools and controller.
+
+    Resolves ``args.runtime`` (``cpu``) and ``args.layout`` (the release's default when not
+    given; the one SGLang really uses, e.g. ``page_first_direct`` for direct + page_first)."""
+    from ..integrations.sglang import engine
+
+    engine.check_options(
+        model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
+    )
+    engine.require_sglang()
+    args.runtime = engine.ENGINE_RUNTIME
+    layout = args.layout or engine.default_layout()
+    harness = engine.build_harness(
+        spec,
+        io_backend=args.io_backend,
+        layout=layout,
+        write_policy=args.write_policy,
+        device_tokens=args.device_tokens,
+    )
+    args.layout = harness.layout
+    return harness
 
 
 def _sink_stats(runner: Any) -> dict[str, int]:
@@ -379,8 +444,9 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
 
     con = console()
     fault = f", fault {s['fault']}" if s["fault"] else ""
+    engine = f"SGLang {s['sglang_release']}'s controller" if s.get("engine") == "sglang" else "our controller"
     con.print(
-        f"[bold]hicache-obs demo[/]: {s['model']} on {s['runtime']}, {s['steps']} requests, seed {s['seed']}, "
+        f"[bold]hicache-obs demo[/]: {s['model']} on {s['runtime']} ({engine}), {s['steps']} requests, seed {s['seed']}, "
         f"{s['wall_seconds']:.2f} s\n"
         f"{s['io_backend']} io backend, {s['layout']} host layout, {s['write_policy']}{fault}"
     )
