@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck check bench venv clean
+.PHONY: demo test lint typecheck check bench venv clean sglang sglang-clean
 
 venv: $(STAMP)
 
@@ -22,8 +22,21 @@ $(STAMP): pyproject.toml setup.py hicache_obs/_copy.c hicache_obs/_logcore.c hic
 demo: $(STAMP)
 	$(VENV)/bin/hicache-obs demo $(DEMO_ARGS)
 
+# the suite in $(VENV), then the SGLang tests under each installed release (make sglang);
+# in CI (CI=true) a release that is not installed is a failure, not a skip
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@for r in $(SGLANG_RELEASES); do \
+	  if [ -f $(SGLANG_DIR)/$$r/.installed ]; then \
+	    echo "== SGLang $$r: $(SGLANG_TESTS)"; \
+	    HICACHE_REQUIRE_SGLANG=1 $(SGLANG_DIR)/$$r/bin/python -m pytest -q -p no:cacheprovider \
+	      $(SGLANG_TESTS) --ignore=$(SGLANG_TESTS)/test_kernels.py $(PYTEST_ARGS) || exit 1; \
+	  elif [ "$$CI" = true ]; then \
+	    echo "SGLang $$r is not installed: run make sglang first" >&2; exit 1; \
+	  else \
+	    echo "== SGLang $$r is not installed: its tests are skipped (make sglang installs it)"; \
+	  fi; \
+	done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -38,3 +51,45 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) hicache-demo .pytest_cache .mypy_cache .ruff_cache
+
+# SGLang test environments, for tests/integrations/sglang only: one per release in
+# SGLANG_RELEASES, each a small venv at $(SGLANG_DIR)/<release>/ (its python:
+# $(SGLANG_DIR)/<release>/bin/python) layered over $(VENV). A .pth file appends $(VENV)'s
+# site-packages (running its .pth files too, so the editable hicache-obs is found), so torch,
+# hicache-obs, pytest and hypothesis come from $(VENV) and only the release's pinned set is
+# installed, with --no-deps: nothing can pull in another torch. The .pth is written after pip
+# has run, so pip sees an empty venv and installs every pin. A changed pin file rebuilds that
+# release from scratch; an unchanged one is left alone (stamp file). SGLANG_PIP_ARGS: --no-compile,
+# as byte-compiling all of a release costs 30-45 s at install and the tests import a fraction of it:
+# instead the check at the end imports what the tests import, writing the bytecode of just that
+# (even where PYTHONDONTWRITEBYTECODE is set): every later SGLang import is then ~10 s faster.
+SGLANG_RELEASES ?= 0.5.10 0.5.11 0.5.23
+SGLANG_DIR ?= .sglang
+SGLANG_REQS := tests/integrations/sglang/requirements
+SGLANG_PTH := _hicache_obs_main_venv.pth
+SGLANG_TESTS := tests/integrations/sglang
+SGLANG_PIP_ARGS ?= --no-compile
+
+sglang: $(foreach r,$(SGLANG_RELEASES),$(SGLANG_DIR)/$(r)/.installed)
+
+$(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
+	rm -rf $(SGLANG_DIR)/$*
+	$(PY) -m venv --without-pip $(SGLANG_DIR)/$*
+	$(PIP) --python $(SGLANG_DIR)/$*/bin/python install -q --no-deps --only-binary=:all: $(SGLANG_PIP_ARGS) -r $<
+	main=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  rel=$$($(SGLANG_DIR)/$*/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "import site; site.addsitedir('$$main')" > "$$rel/$(SGLANG_PTH)"
+	# torch must come from $(VENV); sglang itself is only located here, not imported (importing it
+	# needs the torchvision stand-in that the tests install)
+	$(SGLANG_DIR)/$*/bin/python -c 'import sys, importlib.metadata as md, importlib.util as u, torch, hicache_obs, pytest, hypothesis; \
+	  assert torch.__file__.startswith(sys.argv[1]), torch.__file__; \
+	  assert md.version("sglang") == sys.argv[2] and u.find_spec("sglang").origin.startswith(sys.prefix); \
+	  print("sglang", sys.argv[2], "in", sys.prefix, "with torch", torch.__version__)' \
+	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" $*
+	# import what the tests import, once: its bytecode is written now, and the stand-ins are proven
+	env -u PYTHONDONTWRITEBYTECODE $(SGLANG_DIR)/$*/bin/python -W ignore -c \
+	  'from hicache_obs.integrations.sglang.testing import prepare; prepare()'
+	touch $@
+
+sglang-clean:
+	rm -rf $(SGLANG_DIR)

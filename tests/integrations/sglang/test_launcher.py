@@ -95,9 +95,14 @@ def test_launcher_instruments_spawned_processes(tmp_path: Path) -> None:
             assert proc.poll() is None, proc.communicate()[0]
             assert time.time() < deadline, "the ranks never became ready"
             time.sleep(0.1)
-        # a real scrape of each rank's /metrics, on BASE + rank
-        assert _completed_writes(f"http://127.0.0.1:{base}/metrics") == 2
-        assert _completed_writes(f"http://127.0.0.1:{base + 1}/metrics") == 3
+        # a real scrape of each rank's /metrics, on BASE + rank; the sinks run on their own
+        # thread, so a scrape may come before they took the last events: poll, bounded
+        for port, writes in ((base, 2), (base + 1, 3)):
+            url = f"http://127.0.0.1:{port}/metrics"
+            deadline = time.time() + 20
+            while _completed_writes(url) != writes and time.time() < deadline:
+                time.sleep(0.1)
+            assert _completed_writes(url) == writes
     finally:
         (work / "stop").write_text("")
         output = proc.communicate(timeout=120)[0]
