@@ -10,7 +10,10 @@ Sections: ``overhead`` (the demo workload with observability on vs the bare
 controller), ``events`` (append, durable write and replay+audit rates vs a floor
 loop doing the least the same work needs; replay+audit as ``hicache-obs audit`` runs
 it, folded as read with no event kept, and beside it with every event kept), ``data_path`` (write/load bytes per
-second vs ``Tensor.copy_`` of the same bytes between contiguous buffers).
+second vs ``Tensor.copy_`` of the same bytes between contiguous buffers), ``sglang``
+(where SGLang is installed in this Python: a serving workload on SGLang's real HiCache
+controller, instrumented with the sinks of ``overhead`` (a) in the sink host vs bare, in
+a fresh interpreter of its own; elsewhere ``{"available": false, "reason": ...}``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ __all__ = [
     "bench_events",
     "bench_data_path",
     "bench_overhead",
+    "bench_sglang",
+    "bench_sglang_here",
+    "sglang_workload",
     "run_bench",
     "TARGETS",
 ]
@@ -57,6 +63,7 @@ TARGETS: list[tuple[str, str, float]] = [
     ("data_path.page_first.ps16.load_vs_memcpy", ">=", 0.7),
     ("data_path.page_first.ps64.write_vs_memcpy", ">=", 0.7),
     ("data_path.page_first.ps64.load_vs_memcpy", ">=", 0.7),
+    ("sglang.overhead_ratio", "<=", 1.05),
 ]
 
 
@@ -487,6 +494,338 @@ def bench_overhead(steps: int = 150, rounds: int = 5, runtimes: tuple[str, ...] 
     return out
 
 
+# ---------------------------------------------------------------- sglang
+#: The sinks of the instrumented SGLang run: configuration (a) of ``overhead`` (event log,
+#: auditor, Prometheus and structlog, the last three in the sink host process).
+def _sglang_sink_specs(out_dir: Path) -> list[dict[str, Any]]:
+    return [
+        {"sink": "audit"},
+        {"sink": "prometheus"},
+        {"sink": "structlog", "file": str(out_dir / "lines.jsonl"), "level": "info"},
+    ]
+
+
+#: (io backend, host layout) tried in order: the first whose warm-up runs is measured.
+#: 0.5.10's kernel path refuses the hybrid model's Mamba host indices (they are never
+#: moved to the device), so that release is measured on the direct backend.
+SGLANG_BACKENDS: tuple[tuple[str, str], ...] = (("kernel", "page_first"), ("direct", "page_first"))
+
+
+def _sglang_plan(nodes: int, page_size: int, seed: int = 3) -> list[int]:
+    """Tokens per node: 1 to 4 pages, the same plan in every round."""
+    import random
+
+    rng = random.Random(seed)
+    return [page_size * rng.randint(1, 4) for _ in range(nodes)]
+
+
+def sglang_workload(h: Any, plan: list[int], batch: int) -> int:
+    """The serving pattern on a real SGLang controller; returns the operations (writes + loads).
+
+    Per batch of ``batch`` nodes, as the radix cache drives HiCache: each node's KV (and
+    one Mamba slot on a hybrid model) is backed up (``write``, write-through); the finished
+    write acks are reaped in FIFO order; the device copies are freed (evicted from the
+    device); the nodes are loaded back (one ``load`` each, one ``start_loading``) and the
+    load ack reaped; then the loaded device slots are freed and the host copies evicted.
+    No data is checked here (the adapter's tests check the data).
+    """
+    c = h.controller
+    hybrid = h.mamba_allocator is not None
+    ops = 0
+    for start in range(0, len(plan), batch):
+        written = []
+        for i, tokens in enumerate(plan[start : start + batch]):
+            kv = h.alloc_kv(tokens)
+            mamba = h.alloc_mamba(1) if hybrid else None
+            host, t = h.write(kv, mamba, node_id=start + i)
+            if host is None:
+                raise RuntimeError(f"sglang bench: no host room for node {start + i} ({tokens} tokens)")
+            written.append((kv, mamba, host, t))
+            ops += 1
+        c.start_writing()  # a no-op where write() started it
+        h.reap()
+        loaded = []
+        for i, (kv, mamba, host, t) in enumerate(written):
+            h.kv_allocator.free(kv)
+            if mamba is not None:
+                h.mamba_allocator.free(mamba)
+            dev, lt = h.load(host, t.host_indices if t is not None else None, node_id=start + i)
+            if dev is None:
+                raise RuntimeError(f"sglang bench: no device room to load node {start + i}")
+            loaded.append((dev, lt, host, t))
+            ops += 1
+        c.start_loading()
+        h.reap()
+        for dev, lt, host, t in loaded:
+            h.kv_allocator.free(dev)
+            c.evict_host(host)
+            if lt is not None:
+                h.mamba_allocator.free(lt.device_indices)
+                h.mamba_host.free(t.host_indices)
+    return ops
+
+
+def _sglang_free(h: Any) -> tuple[int, ...]:
+    """Free slots of every pool: equal before and after a run, or the workload leaked."""
+    out = [h.kv_allocator.available_size(), h.kv_host.available_size()]
+    if h.mamba_allocator is not None:
+        out += [h.mamba_allocator.available_size(), h.mamba_host.available_size()]
+    return tuple(out)
+
+
+def _sglang_check_idle(h: Any, free: tuple[int, ...], what: str) -> None:
+    c = h.controller
+    left = {n: len(getattr(c, n)) for n in ("write_queue", "load_queue", "ack_write_queue", "ack_load_queue")}
+    if any(left.values()) or _sglang_free(h) != free:
+        raise RuntimeError(
+            f"sglang bench ({what}): the workload left work behind: {left}, free {_sglang_free(h)} vs {free}"
+        )
+
+
+def bench_sglang_here(
+    nodes: int = 16,
+    batch: int = 8,
+    rounds: int = 5,
+    slices: int = 4,
+    backends: tuple[tuple[str, str], ...] = SGLANG_BACKENDS,
+) -> dict[str, Any]:
+    """The ``sglang`` section, measured in this process (which must have SGLang).
+
+    It builds SGLang's real pools and controller (:func:`~hicache_obs.integrations.sglang.
+    testing.build_controller`, which installs a process-wide torch function mode for its
+    CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
+    same controller runs :func:`sglang_workload` bare and instrumented
+    (:func:`~hicache_obs.integrations.sglang.instrument` with the sinks of configuration (a)
+    in a sink host). A round alternates ``slices`` bare and ``slices`` instrumented runs
+    (this machine's speed drifts within a second: short alternating runs see the same
+    drift) and compares their totals; the round's ratio is one sample. Each instrumented
+    run ends when the sink host handled all of its events (``log.flush``), and closing the
+    round's log (every sink flushed and closed) counts as instrumented time too. The log
+    and its sink host are set up before, and the instrumentation attached before and
+    detached after each instrumented run, untimed: nothing of it is left while a bare run
+    goes (the process-wide ``record_stream`` observer included). ``ops``: writes plus
+    loads of one round's bare (or instrumented) runs.
+    """
+    from hicache_obs.exporters.sinkhost import add_sink_host
+
+    from .core.spec import ModelSpec
+    from .events.log import EventLog
+    from .integrations.sglang import instrument
+    from .integrations.sglang.testing import build_controller, sglang_version
+
+    spec = ModelSpec.tiny_hybrid()
+    plan = _sglang_plan(nodes, spec.page_size)
+    device_size = 4 * spec.page_size * batch * 2  # a batch of the largest nodes, twice over
+    tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-sglang-"))
+    counter = [0]
+    tried: list[str] = []
+    h: Any = None
+    for io_backend, layout in backends:
+        h = build_controller(spec, io_backend=io_backend, layout=layout, device_size=device_size, host_ratio=2.0)
+        free = _sglang_free(h)
+        try:
+            sglang_workload(h, plan[:batch], batch)  # the release runs this path at all
+            _sglang_check_idle(h, free, f"{io_backend}/{layout}")
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            tried.append(f"{io_backend}/{h.layout}: {type(exc).__name__}: {first}")  # and the next backend
+            h = None
+            continue
+        break
+    if h is None:
+        raise RuntimeError("sglang bench: no io backend runs the workload: " + "; ".join(tried))
+    harness = h
+
+    def run(name: str, fn: Callable[[], Any], wall: dict[str, float], cpu: dict[str, float]) -> None:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        fn()
+        wall[name] += time.perf_counter() - t0
+        cpu[name] += time.thread_time() - c0
+
+    def one_round() -> tuple[dict[str, float], dict[str, float]]:
+        """``slices`` bare and instrumented runs of the plan, alternating; their total times."""
+        wall = {"bare": 0.0, "instrumented": 0.0}
+        cpu = {"bare": 0.0, "instrumented": 0.0}
+        counter[0] += 1
+        out_dir = tmp / str(counter[0])
+        out_dir.mkdir()
+        log = EventLog(capacity=100_000)
+        add_sink_host(log, _sglang_sink_specs(out_dir))
+        try:
+            for k in range(2 * slices):
+                gc.collect()
+                if (k + counter[0]) % 2:  # rotate which goes first
+                    run("bare", lambda: sglang_workload(harness, plan, batch), wall, cpu)
+                    _sglang_check_idle(harness, free, "bare")
+                    continue
+                inst = instrument(harness.controller, log=log)  # attached and detached untimed
+                try:
+
+                    def go() -> None:
+                        sglang_workload(harness, plan, batch)
+                        log.flush()  # the sink host handled every event of this run
+
+                    run("instrumented", go, wall, cpu)
+                finally:
+                    inst.detach()
+                if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
+                    raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
+                _sglang_check_idle(harness, free, "instrumented")
+            run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
+        finally:
+            log.close()
+        for runner in log.sinks:  # a ratio measured while sinks lost events would flatter them
+            st = runner.stats()
+            if st["dropped"] or st["errors"]:
+                raise RuntimeError(f"sglang bench: sink {getattr(runner, 'name', runner)} lost events: {st}")
+        events[0] = log.published
+        return wall, cpu
+
+    events = [0]
+    ops = 2 * len(plan) * slices  # per round and side
+    got: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    gc.collect()
+    gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
+    try:
+        one_round()  # warm up both (first calls, the adapter's first instrumentation)
+        for _ in range(rounds):
+            wall, cpu = one_round()
+            for name in got:
+                got[name].append(wall[name])
+                got_cpu[name].append(cpu[name])
+    finally:
+        gc.unfreeze()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    r = ratio_of_times(got["instrumented"], got["bare"])
+    per_op = [(i - b) / ops * 1e6 for i, b in zip(got["instrumented"], got["bare"])]
+    ratios = sorted(i / b for i, b in zip(got["instrumented"], got["bare"]))
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    rc = ratio_of_times(got_cpu["instrumented"], got_cpu["bare"])
+    out: dict[str, Any] = {
+        "available": True,
+        "release": sglang_version(),
+        "overhead_ratio": r.median,
+        "overhead_ratio_spread": [r.lo, r.hi],
+        "overhead_ratio_iqr": [q[0], q[2]],
+        "per_op_overhead_us": statistics.median(per_op),
+        "per_op_overhead_us_spread": [min(per_op), max(per_op)],
+        "rounds": r.n,
+        "slices_per_round": slices,
+        "ops": ops,
+        "events": events[0],
+        "nodes": len(plan),
+        "batch": batch,
+        "tokens": sum(plan),
+        "bare_s": statistics.median(got["bare"]),
+        "instrumented_s": statistics.median(got["instrumented"]),
+        "bare_per_op_us": statistics.median(got["bare"]) / ops * 1e6,
+        # the controller thread's CPU time alone (the sink host's is not in it): steadier
+        # than wall time on a loaded machine, and what the instrumentation adds in-thread
+        "controller_cpu_ratio": rc.median,
+        "controller_cpu_ratio_spread": [rc.lo, rc.hi],
+        "io_backend": harness.io_backend,
+        "layout": harness.layout,
+        "model": spec.name,
+        "sinks": [s["sink"] for s in _sglang_sink_specs(tmp)],
+        "sink_host": True,
+        "controller": type(harness.controller).__name__,
+        # what the copies run on here: per-op times are this harness's, not a GPU's
+        "harness": "CPU: torch stand-ins for sgl_kernel.kvcacheio, CPU streams, CUDA index stand-ins",
+    }
+    if tried:
+        out["backends_refused"] = tried
+    return out
+
+
+def _sglang_child() -> None:
+    """``python -c 'from hicache_obs.bench import _sglang_child; _sglang_child()' PARAMS OUT``."""
+    import json
+    import sys
+
+    params = json.loads(sys.argv[1])
+    threads = params.pop("threads", None)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    backends = params.pop("backends", None)
+    if backends is not None:
+        params["backends"] = tuple(tuple(b) for b in backends)
+    result = bench_sglang_here(**params)
+    result["torch_threads"] = torch.get_num_threads()
+    Path(sys.argv[2]).write_text(json.dumps(result))
+
+
+def sglang_unavailable_reason(python: str | None = None) -> str | None:
+    """Why the ``sglang`` section cannot run in this Python (None: it can)."""
+    import sys
+
+    from .integrations.sglang.testing import sglang_version
+
+    if sglang_version() is None:
+        return (
+            f"SGLang is not installed in this Python ({python or sys.executable}); "
+            "`make sglang` builds .sglang/<release>/bin/python, whose `-m hicache_obs bench` measures it"
+        )
+    return None
+
+
+def bench_sglang(
+    nodes: int = 16,
+    batch: int = 8,
+    rounds: int = 5,
+    slices: int = 4,
+    threads: int | None = 1,
+    timeout: float = 900.0,
+    backends: tuple[tuple[str, str], ...] | None = None,
+) -> dict[str, Any]:
+    """The ``sglang`` section: :func:`bench_sglang_here` in a fresh interpreter of this Python.
+
+    A fresh process, so that the harness's process-wide torch function mode (its CUDA
+    stand-ins) never slows the other sections. Where SGLang is not installed:
+    ``{"available": False, "reason": ...}``; where its run fails: ``available`` true with
+    ``error`` (the child's last lines), and no ratio. ``wall_s``: the child's wall time,
+    SGLang's import included.
+    """
+    import json
+    import subprocess
+    import sys
+
+    reason = sglang_unavailable_reason()
+    if reason is not None:
+        return {"available": False, "reason": reason}
+    from .integrations.sglang.testing import sglang_version
+
+    params: dict[str, Any] = {"nodes": nodes, "batch": batch, "rounds": rounds, "slices": slices, "threads": threads}
+    if backends is not None:
+        params["backends"] = [list(b) for b in backends]
+    with tempfile.TemporaryDirectory(prefix="hicache-bench-sglang-") as d:
+        out = Path(d) / "result.json"
+        code = "from hicache_obs.bench import _sglang_child; _sglang_child()"
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, json.dumps(params), str(out)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"available": True, "release": sglang_version(), "error": f"the SGLang bench ran past {timeout:g} s"}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            tail = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()][-3:]
+            return {
+                "available": True,
+                "release": sglang_version(),
+                "error": f"the SGLang bench exited {proc.returncode}: " + " | ".join(tail),
+            }
+        result: dict[str, Any] = json.loads(out.read_text())
+    result["wall_s"] = wall
+    return result
+
+
 # ------------------------------------------------------------------ all
 def _lookup(d: dict[str, Any], dotted: str) -> Any:
     cur: Any = d
@@ -510,7 +849,7 @@ def check_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 def run_bench(
     quick: bool = False,
     progress: Callable[[str], None] | None = None,
-    sections: tuple[str, ...] = ("overhead", "events", "data_path"),
+    sections: tuple[str, ...] = ("overhead", "events", "data_path", "sglang"),
     threads: int | None = 1,
 ) -> dict[str, Any]:
     """Run the sections; ``quick`` keeps the whole run under a minute.
@@ -542,5 +881,13 @@ def run_bench(
     if "data_path" in sections:
         say("data path")
         result["data_path"] = bench_data_path(tokens=512 if quick else 2048, rounds=3 if quick else 7)
+    if "sglang" in sections:  # last: its interpreter has exited before anything else could run
+        say("sglang")
+        result["sglang"] = bench_sglang(
+            nodes=16,
+            rounds=3 if quick else 15,
+            slices=2 if quick else 4,
+            threads=torch.get_num_threads() if threads is not None else None,
+        )
     result["targets"] = check_targets(result)
     return result

@@ -16,12 +16,16 @@ examples:
   hicache-obs bench --quick          one minute: a table of ratios and targets
   hicache-obs bench --json > b.json  the full run as one JSON object
   hicache-obs bench --section events --json
+  .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang
 
 Every figure is a ratio of two things measured in the same process, interleaved
 round by round; the median of the per-round ratios is shown with its spread.
+The sglang section runs where SGLang is installed in the running Python (a fresh
+interpreter of it: SGLang's real controller, instrumented vs bare); elsewhere it
+says why not, in one line.
 """
 
-SECTIONS = ("overhead", "events", "data_path")
+SECTIONS = ("overhead", "events", "data_path", "sglang")
 
 
 def register(sub: Any) -> None:
@@ -30,7 +34,9 @@ def register(sub: Any) -> None:
         help="measure observability overhead, event throughput and data-path bandwidth",
         description="Measure, side by side in one run: the demo workload with observability on "
         "against the bare controller; event append, durable write and replay+audit rates "
-        "against floor loops; write/load bandwidth against Tensor.copy_ of the same bytes.",
+        "against floor loops; write/load bandwidth against Tensor.copy_ of the same bytes; "
+        "where SGLang is installed, a serving workload on SGLang's real controller, "
+        "instrumented against bare.",
         epilog=_EPILOG,
         formatter_class=formatter,
     )
@@ -110,6 +116,9 @@ def _table(result: dict[str, Any]) -> None:
     ov = result.get("overhead")
     if ov:
         console.print(f"per-operation overhead (events + audit + metrics + logs): {ov['per_op_overhead_us']:.1f} us")
+    sg = result.get("sglang")
+    if sg:
+        console.print(_sglang_line(sg), markup=False, highlight=False, soft_wrap=True)
     ev = result.get("events")
     if ev:
         console.print(
@@ -117,3 +126,19 @@ def _table(result: dict[str, Any]) -> None:
             f"({ev['replay_retained_vs_floor']:.2f}x the floor; the target row folds as it reads, as "
             "`hicache-obs audit` does)"
         )
+
+
+def _sglang_line(sg: dict[str, Any]) -> str:
+    """The ``sglang`` section in one line."""
+    if not sg.get("available"):
+        return f"sglang: not measured: {sg.get('reason', 'SGLang is not available')}"
+    if "error" in sg:
+        return f"sglang {sg.get('release') or '?'}: the bench failed: {sg['error']}"
+    lo, hi = sg["overhead_ratio_spread"]
+    q1, q3 = sg["overhead_ratio_iqr"]
+    return (
+        f"sglang {sg['release']} ({sg['model']}, {sg['io_backend']}/{sg['layout']}, {sg['rounds']} rounds, "
+        f"sinks in the sink host): instrumented / bare {sg['overhead_ratio']:.3f} "
+        f"(IQR {q1:.3f}-{q3:.3f}, range {lo:.3f}-{hi:.3f}), "
+        f"+{sg['per_op_overhead_us']:.0f} us per operation (bare {sg['bare_per_op_us']:.0f} us)"
+    )

@@ -14,7 +14,7 @@ def test_sglang_section_measures_the_real_controller() -> None:
     from hicache_obs.bench import bench_sglang
     from hicache_obs.cli.bench import _sglang_line
 
-    out = bench_sglang(nodes=8, batch=4, rounds=2, timeout=280)
+    out = bench_sglang(nodes=8, batch=4, rounds=2, slices=1, timeout=280)
     assert "error" not in out, out["error"] if "error" in out else None
     assert out["available"] is True and out["release"] == RELEASE
     for key in ("overhead_ratio", "per_op_overhead_us", "controller_cpu_ratio", "bare_per_op_us"):
@@ -23,7 +23,8 @@ def test_sglang_section_measures_the_real_controller() -> None:
     lo, hi = out["overhead_ratio_spread"]
     q1, q3 = out["overhead_ratio_iqr"]
     assert lo <= q1 <= out["overhead_ratio"] <= q3 <= hi
-    assert out["rounds"] == 2 and out["nodes"] == 8 and out["ops"] == 16 and out["events"] > 0
+    assert out["rounds"] == 2 and out["slices_per_round"] == 1 and out["nodes"] == 8 and out["ops"] == 16
+    assert out["events"] > 0
     assert out["model"] == "tiny_hybrid" and out["controller"] == "HybridCacheController"
     assert out["io_backend"] in ("kernel", "direct") and out["layout"] in ("page_first", "page_first_direct")
     assert out["sinks"] == ["audit", "prometheus", "structlog"] and out["sink_host"] is True

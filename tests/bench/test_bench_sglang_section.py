@@ -1,0 +1,80 @@
+"""The bench's sglang section where SGLang is not installed (or its run fails): its shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hicache_obs import bench
+from hicache_obs.cli import main
+from hicache_obs.integrations.sglang import testing
+
+
+@pytest.fixture
+def no_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This Python has no SGLang, whatever is installed."""
+    monkeypatch.setattr(testing, "sglang_version", lambda: None)
+
+
+def test_not_installed_is_a_reason_not_a_failure(no_sglang: None) -> None:
+    out = bench.bench_sglang(rounds=1)
+    assert set(out) == {"available", "reason"} and out["available"] is False
+    assert "SGLang is not installed in this Python" in out["reason"] and "make sglang" in out["reason"]
+
+
+@pytest.mark.skipif(testing.sglang_version() is not None, reason="SGLang is installed in this Python")
+def test_this_python_reports_it_unavailable() -> None:
+    assert bench.bench_sglang(rounds=1)["available"] is False
+
+
+def test_json_section_and_its_target_row(no_sglang: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--section", "sglang", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sglang"]["available"] is False and isinstance(result["sglang"]["reason"], str)
+    assert set(result) == {"machine", "quick", "sglang", "targets"}
+    rows = {r["key"]: r for r in result["targets"]}
+    row = rows["sglang.overhead_ratio"]
+    assert row == {"key": "sglang.overhead_ratio", "target": "<= 1.05", "value": None, "met": None}
+    assert rows["overhead.events_metrics_ratio"]["met"] is None  # the other sections did not run
+
+
+def test_text_says_so_in_one_line(no_sglang: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--section", "sglang"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if "sglang:" in ln]
+    assert len(lines) == 1 and lines[0].startswith("sglang: not measured: SGLang is not installed"), out
+
+
+def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SGLang "present"; the child refuses the backend before it imports SGLang: the bench says why
+    monkeypatch.setattr(bench, "sglang_unavailable_reason", lambda python=None: None)
+    monkeypatch.setattr(testing, "sglang_version", lambda: "0.0.0")
+    out = bench.bench_sglang(nodes=2, batch=2, rounds=1, timeout=120, backends=(("bogus", "page_first"),))
+    assert set(out) == {"available", "release", "error"}
+    assert out["available"] is True and out["release"] == "0.0.0"
+    assert out["error"].startswith("the SGLang bench exited 1: ")
+    assert "io_backend must be 'kernel' or 'direct', got 'bogus'" in out["error"]
+
+
+def test_line_of_a_measured_and_a_failed_section() -> None:
+    from hicache_obs.cli.bench import _sglang_line
+
+    measured = {
+        "available": True,
+        "release": "0.5.23",
+        "model": "tiny_hybrid",
+        "io_backend": "kernel",
+        "layout": "page_first",
+        "rounds": 15,
+        "overhead_ratio": 1.031,
+        "overhead_ratio_spread": [0.98, 1.2],
+        "overhead_ratio_iqr": [1.01, 1.05],
+        "per_op_overhead_us": 41.6,
+        "bare_per_op_us": 900.0,
+    }
+    line = _sglang_line(measured)
+    assert line.startswith("sglang 0.5.23 (tiny_hybrid, kernel/page_first, 15 rounds")
+    assert "instrumented / bare 1.031 (IQR 1.010-1.050, range 0.980-1.200)" in line and "+42 us per operation" in line
+    failed = _sglang_line({"available": True, "release": "0.5.23", "error": "the SGLang bench exited 1: boom"})
+    assert failed == "sglang 0.5.23: the bench failed: the SGLang bench exited 1: boom"
