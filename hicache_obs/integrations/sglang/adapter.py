@@ -628,7 +628,11 @@ class Instrumentation:
                 for role, t in (("host", host_indices), ("device", device_indices)):
                     if isinstance(t, torch.Tensor):
                         sub.uses.setdefault((pool, role), t)
-                        watched[id(t)] = role
+                        if not t.is_cuda:  # only an index tensor off the device can be moved to it
+                            watched[id(t)] = role
+                if not watched or self._shape.io_backend != "kernel":
+                    # nothing to watch: a direct copy reads host indices as they are
+                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
                 watch = _ConversionWatch(pool, watched)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
