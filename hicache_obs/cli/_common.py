@@ -111,3 +111,20 @@ def fmt_ids(ids: Sequence[int], limit: int = 10) -> str:
     """``3, 5, 9 (+12 more)``."""
     shown = ", ".join(str(i) for i in ids[:limit])
     return shown + (f" (+{len(ids) - limit} more)" if len(ids) > limit else "")
+
+
+def port_arg(low: int = 0) -> Any:
+    """An argparse type for a TCP port from ``low`` to 65535 (0: a free port, where allowed)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+        if not low <= n <= 65535:
+            free = " (0: a free port)" if low == 0 else ""
+            raise argparse.ArgumentTypeError(f"port must be {low}..65535{free}, got {n}")
+        return n
+
+    return parse
+

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_OK, CliError, console, fmt_bytes, fmt_ids, fmt_rate, formatter
+from ._common import EXIT_OK, CliError, console, fmt_bytes, fmt_ids, fmt_rate, formatter, port_arg
 
 __all__ = ["register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"]
 
@@ -77,14 +77,7 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535 (0: a free port), got {n}")
-    return n
+_port = port_arg()
 
 
 def register(sub: Any) -> None:

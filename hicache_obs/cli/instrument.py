@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_USAGE, CliError, formatter
+from ._common import EXIT_USAGE, CliError, formatter, port_arg
 
 __all__ = ["register", "run", "child_environment"]
 
@@ -32,14 +32,7 @@ rank N serves /metrics on 127.0.0.1:BASE+N and logs under DIR/rank-N/
 """
 
 
-def _port(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 1 <= n <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 1..65535, got {n}")
-    return n
+_port = port_arg(1)  # BASE + rank: a fixed base, never "any free port"
 
 
 def register(sub: Any) -> None:
