@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from ..._compiled import runs_of
 from ...errors import IntegrationError
@@ -133,7 +132,7 @@ def _host_values(t: torch.Tensor) -> Any:
     """The values of an index tensor whose storage is host memory (no sync), else None."""
     if _TRUE_DEVICE(t).type != "cpu":
         return None
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunction():
         plain = t.detach().reshape(-1)
         if plain.dtype != torch.int64:
             plain = plain.to(torch.int64)
@@ -141,7 +140,7 @@ def _host_values(t: torch.Tensor) -> Any:
 
 
 def _ref(t: torch.Tensor, pool: str, role: str) -> TensorRef:
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch._C.DisableTorchFunction():
         numel = t.numel()
         dtype = t.dtype
         ptr = t.data_ptr() if numel else 0
@@ -214,27 +213,53 @@ class _AckQueue(list):  # type: ignore[type-arg]
 
 
 # ----------------------------------------------------- conversions inside a copy
-class _ConversionWatch(TorchFunctionMode):
+class _ConversionWatch:
     """While one pool's copy runs: ``.to()``/``.cuda()`` of the index tensors it received.
 
     SGLang's Mamba host pool moves CPU host indices to the device itself, inside the
-    transfer's stream (the new tensor belongs to that stream). Only a description is
+    transfer's stream (the new tensor belongs to that stream). The watch puts a ``to`` and
+    a ``cuda`` on each received tensor object itself (an instance attribute, which a
+    method call finds before the class's method) for the length of the copy call, on this
+    thread only, and takes them off again; no other torch call passes through it, so a
+    copy costs the same whatever it does inside. Only a description of each new tensor is
     kept, never the tensor."""
 
-    def __init__(self, pool: str, watched: dict[int, str]) -> None:
-        super().__init__()
-        self.pool = pool
-        self.watched = watched  # id(tensor) -> role
-        self.moves: list[tuple[str, str, str, TensorRef]] = []
+    _METHODS = ("to", "cuda")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
-        out = func(*args, **(kwargs or {}))
-        if (func is torch.Tensor.to or func is torch.Tensor.cuda) and args and id(args[0]) in self.watched:
-            src = args[0]
-            if isinstance(out, torch.Tensor) and out is not src and _device_name(out) != _device_name(src):
-                role = self.watched[id(src)]
-                self.moves.append((role, _device_name(src), _device_name(out), _ref(out, self.pool, role)))
-        return out
+    def __init__(self, pool: str, watched: dict[int, tuple[str, torch.Tensor]]) -> None:
+        self.pool = pool
+        self.watched = watched  # id(tensor) -> (role, tensor)
+        self.moves: list[tuple[str, str, str, TensorRef]] = []
+        self._thread = threading.get_ident()
+        self._placed: list[tuple[torch.Tensor, str]] = []
+
+    def _observer(self, src: torch.Tensor, role: str, name: str) -> Callable[..., Any]:
+        method = getattr(torch.Tensor, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = method(src, *args, **kwargs)
+            if threading.get_ident() == self._thread and isinstance(out, torch.Tensor) and out is not src:
+                if _device_name(out) != _device_name(src):
+                    self.moves.append((role, _device_name(src), _device_name(out), _ref(out, self.pool, role)))
+            return out
+
+        return call
+
+    def __enter__(self) -> _ConversionWatch:
+        for role, t in self.watched.values():
+            d = getattr(t, "__dict__", None)
+            if d is None:
+                continue
+            for name in self._METHODS:
+                if name not in d:  # never over something already there
+                    d[name] = self._observer(t, role, name)
+                    self._placed.append((t, name))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for t, name in self._placed:
+            t.__dict__.pop(name, None)
+        self._placed.clear()
 
 
 # ------------------------------------------------------------------ submissions
@@ -381,7 +406,7 @@ def _free_values(obj: Any) -> list[int] | None:
             for part in parts:
                 if part is None:
                     continue
-                with torch._C.DisableTorchFunctionSubclass():
+                with torch._C.DisableTorchFunction():
                     vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
                 if is_pages and page > 1:
                     out.extend(p * page + k for p in vals for k in range(page))
@@ -624,12 +649,12 @@ class Instrumentation:
                 sub = getattr(_tls, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watched = {}
+                watched: dict[int, tuple[str, torch.Tensor]] = {}
                 for role, t in (("host", host_indices), ("device", device_indices)):
                     if isinstance(t, torch.Tensor):
                         sub.uses.setdefault((pool, role), t)
                         if not t.is_cuda:  # only an index tensor off the device can be moved to it
-                            watched[id(t)] = role
+                            watched[id(t)] = (role, t)
                 if not watched or self._shape.io_backend != "kernel":
                     # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
@@ -765,7 +790,7 @@ class Instrumentation:
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))
             if hit is None:
-                with torch._C.DisableTorchFunctionSubclass():
+                with torch._C.DisableTorchFunction():
                     key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
                 hit = by_ptr.get(key)
             if hit is None:

@@ -1,0 +1,66 @@
+"""The adapter's watch on the index tensors one pool copy received (no SGLang needed).
+
+It must see a ``.to()``/``.cuda()`` of exactly those tensors, on the copying thread,
+during the copy, and leave each tensor as it was afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hicache_obs.integrations.sglang.adapter import _ConversionWatch
+
+
+def _watch(t: torch.Tensor, role: str = "host") -> _ConversionWatch:
+    return _ConversionWatch("mamba", {id(t): (role, t)})
+
+
+def test_a_move_of_a_received_tensor_is_seen_with_its_new_tensor() -> None:
+    t = torch.arange(8, dtype=torch.int64)
+    with _watch(t) as w:
+        out = t.to("meta")
+        same = t.to(torch.int64)  # no move: the same tensor back
+    assert out.device.type == "meta" and same is t
+    assert len(w.moves) == 1
+    role, src, dst, ref = w.moves[0]
+    assert (role, src, dst) == ("host", "cpu", "meta")
+    assert (ref.pool, ref.role, ref.device, ref.numel) == ("mamba", "host", "meta", 8)
+
+
+def test_the_tensor_is_left_as_it_was() -> None:
+    t = torch.arange(4)
+    with _watch(t):
+        assert "to" in t.__dict__ and "cuda" in t.__dict__
+    assert "to" not in t.__dict__ and "cuda" not in t.__dict__
+    assert t.to("meta").device.type == "meta"  # the class's method again
+
+
+def test_the_watch_is_taken_off_when_the_copy_raises() -> None:
+    t = torch.arange(4)
+    try:
+        with _watch(t):
+            raise RuntimeError("the copy failed")
+    except RuntimeError:
+        pass
+    assert "to" not in t.__dict__ and "cuda" not in t.__dict__
+
+
+def test_other_tensors_and_other_threads_are_not_seen() -> None:
+    t, other = torch.arange(4), torch.arange(4)
+    with _watch(t) as w:
+        other.to("meta")
+        th = threading.Thread(target=lambda: t.to("meta"))
+        th.start()
+        th.join()
+    assert w.moves == []
+
+
+def test_a_method_already_on_the_tensor_is_not_replaced() -> None:
+    t = torch.arange(4)
+    mine = lambda *a, **k: "theirs"  # noqa: E731
+    t.to = mine  # type: ignore[method-assign]
+    with _watch(t) as w:
+        assert t.to("meta") == "theirs"
+    assert t.__dict__["to"] is mine and w.moves == []
