@@ -133,6 +133,8 @@ def _host_values(t: torch.Tensor) -> Any:
     if _TRUE_DEVICE(t).type != "cpu":
         return None
     with torch._C.DisableTorchFunction():
+        if t.dtype == torch.int64 and t.dim() == 1 and not t.requires_grad and not t.is_neg():
+            return t.numpy()  # a view of the same memory (strided where the tensor is)
         plain = t.detach().reshape(-1)
         if plain.dtype != torch.int64:
             plain = plain.to(torch.int64)
@@ -451,14 +453,16 @@ class Instrumentation:
             if self._errors == 1 or self._errors % 10000 == 0:
                 _log.exception("hicache-obs could not record a %s event (%d so far)", cls.__name__, self._errors)
 
-    def _safely(self, fn: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        """Run an observation step; an error in it is counted and logged, never raised into SGLang."""
+    def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run an observation step and return what it returned; an error in it is counted
+        and logged, never raised into SGLang (then None)."""
         try:
-            fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except Exception:
             self._errors += 1
             if self._errors == 1 or self._errors % 10000 == 0:
                 _log.exception("hicache-obs could not describe a %s call (%d errors so far)", fn.__name__, self._errors)
+            return None
 
     @property
     def detached(self) -> bool:
@@ -678,7 +682,9 @@ class Instrumentation:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.numel():
-                    self._safely(self._slots, SlotsAllocated, pool, tier, _host_values(out))
+                    runs = self._safely(self._runs_of_host, out)
+                    if runs is not None:
+                        self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -689,11 +695,14 @@ class Instrumentation:
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
-                # read before the free: the allocator may keep the tensor in its free list
-                values = _host_values(indices) if isinstance(indices, torch.Tensor) and indices.numel() else None
+                # read before the free (the allocator may keep the tensor in its free list and
+                # reuse its memory): the runs are taken now, from a view of that memory
+                runs = None
+                if isinstance(indices, torch.Tensor) and indices.numel():
+                    runs = self._safely(self._runs_of_host, indices)
                 out = original(indices, *args, **kwargs)
-                if values is not None:
-                    self._safely(self._slots, SlotsFreed, pool, tier, values)
+                if runs is not None:
+                    self._emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -702,9 +711,11 @@ class Instrumentation:
         return make
 
     # ------------------------------------------------------------- events
-    def _slots(self, cls: Any, pool: str, tier: str, values: Any) -> None:
-        if values is not None:  # None: device values a read would sync for (a GPU)
-            self._emit(cls, pool=pool, tier=tier, indices=runs_of(values))
+    @staticmethod
+    def _runs_of_host(t: torch.Tensor) -> Any:
+        """The runs of an index tensor's values, or None for device values a read would sync for (a GPU)."""
+        values = _host_values(t)
+        return None if values is None else runs_of(values)
 
     @staticmethod
     def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:

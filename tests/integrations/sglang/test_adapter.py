@@ -308,3 +308,21 @@ def test_a_failing_log_never_breaks_the_controller() -> None:
     assert _data_intact(h, loaded)
     assert inst.errors > 0
     inst.detach()
+
+
+def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading an index tensor's values (allocations, frees, tensor descriptions) may fail
+    on a tensor SGLang can use but the adapter cannot read: counted, never raised."""
+    from hicache_obs.integrations.sglang import adapter
+
+    h = _build() if FIXED else _build(io_backend="direct")
+    inst = instrument(h.controller)
+
+    def unreadable(t: torch.Tensor) -> None:
+        raise RuntimeError("these index values cannot be read")
+
+    monkeypatch.setattr(adapter, "_host_values", unreadable)
+    loaded = _workload(h, nodes=2)  # SGLang carries on: allocs, frees, copies
+    assert _data_intact(h, loaded)
+    assert inst.errors > 0
+    inst.detach()
