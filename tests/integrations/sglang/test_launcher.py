@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import release_tuple
 
@@ -138,3 +146,82 @@ def test_launcher_leaves_other_programs_alone(tmp_path: Path) -> None:
     assert r.returncode == 127 and "command not found" in r.stderr
     r = subprocess.run([sys.executable, "-m", "hicache_obs", "instrument"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "no COMMAND" in r.stderr
+
+
+# one controller, three writes reaped, then the process exits: its spans leave at exit
+ONE_RANK = textwrap.dedent(
+    """
+    import sys
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.integrations.sglang.testing import build_controller
+    h = build_controller(ModelSpec.tiny_hybrid(), io_backend=sys.argv[1])
+    for i in range(3):
+        h.write(h.alloc_kv(32), h.alloc_mamba(1), node_id=i)
+    h.reap()
+    """
+)
+
+
+class _Traces(BaseHTTPRequestHandler):
+    server: _OtlpReceiver
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        req = ExportTraceServiceRequest()
+        req.ParseFromString(body)
+        with self.server.lock:
+            self.server.paths.append(self.path)
+            self.server.spans.extend(sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans)
+        out = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+class _OtlpReceiver(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Traces)
+        self.lock = threading.Lock()
+        self.paths: list[str] = []
+        self.spans: list[Any] = []
+
+
+def _attrs(span: Any) -> dict[str, Any]:
+    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
+
+
+def test_launcher_sends_spans_to_otlp(tmp_path: Path) -> None:
+    receiver = _OtlpReceiver()
+    t = threading.Thread(target=receiver.serve_forever, daemon=True)
+    t.start()
+    script = tmp_path / "one_rank.py"
+    script.write_text(ONE_RANK)
+    backend = "kernel" if release_tuple() >= (0, 5, 11) else "direct"
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "hicache_obs", "instrument", "--out", str(tmp_path / "logs"),
+             "--otlp-endpoint", f"http://127.0.0.1:{receiver.server_address[1]}",
+             "--", sys.executable, str(script), backend],
+            capture_output=True, text=True, timeout=180,
+        )
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+    assert r.returncode == 0, r.stderr
+    assert set(receiver.paths) == {"/v1/traces"}
+    writes = [s for s in receiver.spans if _attrs(s).get("hicache.direction") == "d2h"]
+    assert len(writes) == 3, [(s.name, _attrs(s)) for s in receiver.spans]
+    unrecorded = [_attrs(s).get("hicache.unrecorded_indices", 0) for s in writes]
+    if release_tuple() >= (0, 5, 11):
+        assert unrecorded == [0, 0, 0]
+    else:  # the Mamba indices of every write went unrecorded on the side stream
+        assert all(n > 0 for n in unrecorded), unrecorded
