@@ -49,6 +49,7 @@ from ..events.schema import (
     StreamRecorded,
     TensorRef,
     TransferSubmitted,
+    runs_from_list,
 )
 from ..events.state import CacheState
 from .layers import LayerDoneCounter
@@ -57,8 +58,10 @@ from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ModelSpec
+from .tensors import tensor_problem
 from .transfer import (
     IO_BACKENDS,
+    CopyFault,
     check_kernel_indices,
     launch_backup,
     launch_load_all,
@@ -102,6 +105,12 @@ class _PendingAck:
     bytes_by_pool: tuple[tuple[str, int], ...]
     producer_id: int
     error: str | None = None
+    fault: CopyFault | None = None  # what the op's copies raised, wherever they ran
+    given: tuple[tuple[str, str, torch.Tensor], ...] = ()  # (pool, tier, slots) allocated for the op
+
+
+#: the slots the controller allocated for an op: (pool, tier, CPU int64 slots) per pool
+_Given = tuple[tuple[str, str, torch.Tensor], ...]
 
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
@@ -202,6 +211,8 @@ class HiCacheController:
         self._closed = False
         self._next_id = 0
         self._ops: dict[int, CacheOperation] = {}
+        #: op id -> the slots allocated for it, until it is reaped (close frees a failed op's)
+        self._given: dict[int, _Given] = {}
         self._acks: dict[str, deque[_PendingAck]] = {D2H: deque(), H2D: deque()}
 
         sizes = self._device_sizes(device_size, pool_sizes or {})
@@ -345,6 +356,9 @@ class HiCacheController:
         """Check an index tensor; returns its values when they can be read without a sync."""
         if not isinstance(t, torch.Tensor):
             raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+        problem = tensor_problem(t, self.runtime)
+        if problem is not None:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
         if t.dtype != torch.int64:
             raise InvalidIndicesError(f"{arg} for pool {pool!r} must be int64, got {t.dtype}")
         if t.dim() != 1:
@@ -534,7 +548,14 @@ class HiCacheController:
         allocated = self._alloc_many(reqs, op_id)
         if allocated is None:
             return None
+        self._given[op_id] = tuple((pool, tier, t) for (pool, tier, _), t in zip(reqs, allocated))
         return op_id, allocated, transfers
+
+    def _rollback(self, op_id: int) -> None:
+        """Give back what :meth:`_admit` allocated for an op that was never queued."""
+        for pool, tier, t in self._given.pop(op_id, ()):
+            if t.numel():
+                self._alloc(pool, tier).free(t.tolist(), reason="rollback", op=op_id)
 
     def _write(
         self,
@@ -549,17 +570,21 @@ class HiCacheController:
                 return None
             op_id, allocated, transfers = admitted
             host = allocated[0]
-            resolved = self._materialise_aliases(
-                host, device_indices, self._resolve_allocated(transfers, allocated[1:], "host")
-            )
-            op = CacheOperation(
-                host_indices=host,
-                device_indices=device_indices,
-                node_ids=(node_id,),
-                priority=priority,
-                id=op_id,
-                pool_transfers=resolved,
-            )
+            try:
+                resolved = self._materialise_aliases(
+                    host, device_indices, self._resolve_allocated(transfers, allocated[1:], "host")
+                )
+                op = CacheOperation(
+                    host_indices=host,
+                    device_indices=device_indices,
+                    node_ids=(node_id,),
+                    priority=priority,
+                    id=op_id,
+                    pool_transfers=resolved,
+                )
+            except BaseException:
+                self._rollback(op_id)
+                raise
             self._queue(op, D2H)
             self.start_writing()
             return host, resolved
@@ -577,18 +602,24 @@ class HiCacheController:
                 return None
             op_id, allocated, transfers = admitted
             to_dev = self.runtime.to_device
-            device = to_dev(allocated[0])
-            resolved = self._materialise_aliases(
-                host_indices, device, self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device")
-            )
-            op = CacheOperation(
-                host_indices=host_indices,
-                device_indices=device,
-                node_ids=(node_id,),
-                priority=priority,
-                id=op_id,
-                pool_transfers=resolved,
-            )
+            try:  # a runtime that fails to move the new slots' indices: nothing stays allocated
+                device = to_dev(allocated[0])
+                resolved = self._materialise_aliases(
+                    host_indices,
+                    device,
+                    self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device"),
+                )
+                op = CacheOperation(
+                    host_indices=host_indices,
+                    device_indices=device,
+                    node_ids=(node_id,),
+                    priority=priority,
+                    id=op_id,
+                    pool_transfers=resolved,
+                )
+            except BaseException:
+                self._rollback(op_id)
+                raise
             self._queue(op, H2D)
             return device, resolved
 
@@ -653,6 +684,8 @@ class HiCacheController:
             return None
         ops = [self._ops.pop(i) for i in ids]
         merged = merge_ops(ops, new_id=self._new_id() if len(ops) > 1 else None)
+        if len(ops) > 1:
+            self._given[merged.id] = tuple(g for i in ids for g in self._given.pop(i, ()))
         self._emit(
             OperationsMerged, op=merged.id, merged_ops=tuple(ids), direction=direction, node_ids=tuple(merged.node_ids)
         )
@@ -675,6 +708,9 @@ class HiCacheController:
             for arg, t in (("host_indices", host_indices), ("device_indices", device_indices)):
                 if not isinstance(t, torch.Tensor):
                     raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+                problem = tensor_problem(t, self.runtime)
+                if problem is not None:
+                    raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
                 if t.dtype != torch.int64 or t.dim() != 1:
                     raise InvalidIndicesError(
                         f"{arg} for pool {pool!r} must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
@@ -809,14 +845,23 @@ class HiCacheController:
         return None
 
     def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> _PendingAck:
+        """Submit a moved op. Whatever fails from here on is this op's failure: an ack with
+        its error, reaped in FIFO order as a ``TransferFailed``, never an exception."""
         rt = self.runtime
-        pairs = self._with_runs(self._pairs(op))
-        slots = self._slots_by_pool(op)
-        bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
-        refs = self._submit_refs(op, pairs) if self._detail else []
-        start = rt.event(self.enable_timing)
-        start.record()  # after the index moves: the side stream is ordered after them
-        finish = rt.event(self.enable_timing)
+        given = self._given.pop(op.id, ())
+        try:
+            pairs = self._with_runs(self._pairs(op))
+            slots = self._slots_by_pool(op)
+            bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
+            refs = self._submit_refs(op, pairs) if self._detail else []
+            start = rt.event(self.enable_timing)
+            start.record()  # after the index moves: the side stream is ordered after them
+            finish = rt.event(self.enable_timing)
+        except Exception as exc:  # nothing launched yet
+            _log.warning("transfer of op %d (%s) failed before submission: %s: %s", op.id, direction, type(exc).__name__, exc)
+            return self._fail_unsubmitted(
+                op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc, given
+            )
         self._emit(
             TransferSubmitted,
             op=op.id,
@@ -831,7 +876,11 @@ class HiCacheController:
             device=rt.device,
         )
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
-        ack = _PendingAck(op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id)
+        fault = CopyFault()
+        ack = _PendingAck(
+            op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id,
+            fault=fault, given=given,
+        )
         if refs:  # the stream records below describe the same tensors: _record_pair reuses these
             self._submitted_refs = {
                 key: ref
@@ -843,9 +892,9 @@ class HiCacheController:
                 start.wait(stream)
                 begin.record(stream)
                 if direction == D2H:
-                    self._launch_write(pairs)
+                    self._launch_write(pairs, fault)
                 else:
-                    ack.layer_events = self._launch_load(pairs, producer_id)
+                    ack.layer_events = self._launch_load(pairs, producer_id, fault)
                 finish.record(stream)
                 self._record_transfer_indices_on_stream(
                     stream, op.host_indices, op.device_indices, op.pool_transfers, op=op.id
@@ -856,9 +905,7 @@ class HiCacheController:
             else:
                 _log.exception("transfer of op %d (%s) failed at submission", op.id, direction)
             ack.error = f"{type(exc).__name__}: {exc}"
-            finish = rt.event(self.enable_timing)
-            finish.record()
-            ack.finish = finish
+            ack.finish = self._finish_after_refusal(stream, op)
         finally:
             self._submitted_refs = {}  # keyed by id(): valid only during this submission
         if direction == H2D and producer_id >= 0:
@@ -866,7 +913,70 @@ class HiCacheController:
         self._acks[direction].append(ack)
         return ack
 
-    def _launch_write(self, pairs: list[_Pair]) -> None:
+    def _finish_after_refusal(self, stream: Any, op: CacheOperation) -> DeviceEvent:
+        """The finish event of a launch that raised part-way: after whatever of it the side
+        stream already holds (the op is reaped, and its slots handed back, only when that
+        ran), with its index tensors recorded there for that work."""
+        rt = self.runtime
+        finish = rt.event(self.enable_timing)
+        try:
+            finish.record(stream)
+            self._record_transfer_indices_on_stream(
+                stream, op.host_indices, op.device_indices, op.pool_transfers, op=op.id
+            )
+        except Exception:
+            _log.exception("op %d: the side stream refused the failed launch's finish event; it is reaped now", op.id)
+            finish = rt.event(self.enable_timing)
+            finish.record()
+        return finish
+
+    def _slots_or_none(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
+        try:
+            return self._slots_by_pool(op)
+        except Exception:
+            return ()
+
+    def _fail_unsubmitted(
+        self,
+        op_id: int,
+        direction: str,
+        node_ids: tuple[int, ...],
+        slots: tuple[tuple[str, int], ...],
+        stream: Any,
+        producer_id: int,
+        exc: BaseException,
+        given: _Given,
+    ) -> _PendingAck:
+        """End an op that launched nothing: a ``TransferSubmitted`` without tensors (no copy
+        received any) and an ack carrying ``exc``, reaped in FIFO order as its
+        ``TransferFailed``."""
+        rt = self.runtime
+        bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
+        self._emit(
+            TransferSubmitted,
+            op=op_id,
+            direction=direction,
+            stream=stream.name,
+            io_backend=self.io_backend,
+            layout=self.layout,
+            tensors=(),
+            slots_by_pool=slots,
+            bytes_by_pool=bytes_by_pool,
+            producer_id=producer_id,
+            device=rt.device,
+        )
+        finish = rt.event(self.enable_timing)
+        finish.record()  # on the main stream: nothing of this op was queued anywhere
+        ack = _PendingAck(
+            op_id, direction, node_ids, finish, finish, None, slots, bytes_by_pool, producer_id,
+            error=f"{type(exc).__name__}: {exc}", given=given,
+        )
+        if direction == H2D and producer_id >= 0:
+            self.layer_done_counter.set_finish_event(producer_id, finish)
+        self._acks[direction].append(ack)
+        return ack
+
+    def _launch_write(self, pairs: list[_Pair], fault: CopyFault) -> None:
         rt = self.runtime
         pairs = [p for p in pairs if p[1].numel()]
         if self.io_backend == "kernel":
@@ -875,9 +985,9 @@ class HiCacheController:
             for pool, h, d, _ in pairs:
                 check_kernel_indices(rt, pool, h, d)
         for pool, h, d, pr in pairs:
-            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr))
+            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr), fault)
 
-    def _launch_load(self, pairs: list[_Pair], producer_id: int) -> list[DeviceEvent]:
+    def _launch_load(self, pairs: list[_Pair], producer_id: int, fault: CopyFault) -> list[DeviceEvent]:
         rt = self.runtime
         plan = []
         for pool, h, d, pr in pairs:
@@ -890,27 +1000,38 @@ class HiCacheController:
             # mark the layers done (each layer's event still follows its data)
             for hp, dp, h, d, runs in plan:
                 if h.numel():
-                    launch_load_all(rt, hp, dp, h, d, runs)
+                    launch_load_all(rt, hp, dp, h, d, runs, fault)
         for layer in range(self.spec.num_layers):
             for hp, dp, h, d, runs in plan:
                 local = dp.layer_index.get(layer)
                 if local is not None and h.numel() and rt.has_device:
-                    launch_load_layer(rt, hp, dp, local, h, d, runs)
+                    launch_load_layer(rt, hp, dp, local, h, d, runs, fault)
             ev = self.layer_done_counter.layer_event(producer_id, layer) if producer_id >= 0 else rt.event(self.enable_timing)
             ev.record(self.load_stream)
             events.append(ev)
         return events
 
+    def _start(self, direction: str, stream: Any, producer_id: int) -> None:
+        op = self._take_queue(direction)
+        assert op is not None
+        try:
+            moved = self._move_op(op)
+        except Exception as exc:  # merged, never submitted: end it as a failed transfer
+            _log.warning("transfer of op %d (%s) failed at its index move: %s: %s", op.id, direction, type(exc).__name__, exc)
+            self._fail_unsubmitted(
+                op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc,
+                self._given.pop(op.id, ()),
+            )
+            return
+        del op
+        self._submit(moved, direction, stream, producer_id)
+
     def start_writing(self) -> None:
         """Merge the write queue, move indices and back everything up on the write stream."""
         with self._lock:
             self._check_open()
-            op = self._take_queue(D2H)
-            if op is None:
-                return
-            moved = self._move_op(op)
-            del op
-            self._submit(moved, D2H, self.write_stream, -1)
+            if self.state.queues[D2H]:
+                self._start(D2H, self.write_stream, -1)
 
     def start_loading(self) -> int:
         """Submit the queued loads layer by layer; returns the producer id, or -1 if none queued."""
@@ -919,11 +1040,7 @@ class HiCacheController:
             if not self.state.queues[H2D]:
                 return -1
             producer_id = self.layer_done_counter.update_producer()
-            op = self._take_queue(H2D)
-            assert op is not None
-            moved = self._move_op(op)
-            del op
-            self._submit(moved, H2D, self.load_stream, producer_id)
+            self._start(H2D, self.load_stream, producer_id)
             return producer_id
 
     # ----------------------------------------------------------------- acks
@@ -936,6 +1053,12 @@ class HiCacheController:
         return self._poll(H2D)
 
     def _poll(self, direction: str) -> list[Ack]:
+        return self._reap(direction, closing=False)
+
+    def _reap(self, direction: str, *, closing: bool) -> list[Ack]:
+        """Reap in FIFO order. A failure of the op's copies, or of the runtime's answer
+        about the op, is that op's ``TransferFailed``. ``closing``: reap every ack (the
+        runtime was synchronised) and give back the slots allocated for each failed op."""
         from ..events.schema import TransferCompleted, TransferFailed
 
         with self._lock:
@@ -944,19 +1067,37 @@ class HiCacheController:
             q = self._acks[direction]
             while q:
                 a = q[0]
-                if a.error is None and not a.finish.query():
-                    break
+                stuck = False
+                try:
+                    done = a.finish.query()
+                except Exception as exc:
+                    _log.warning("op %d (%s): the runtime failed to answer for its transfer: %s", a.op_id, direction, exc)
+                    a.error = a.error or f"{type(exc).__name__}: {exc}"
+                    done = True
+                if not done:
+                    if not closing:
+                        break
+                    # the runtime still calls it unfinished after synchronize(): its copies may
+                    # yet write, so its slots are not handed back
+                    a.error = a.error or "RuntimeError: still unfinished at close(), after the runtime's synchronize()"
+                    stuck = True
                 q.popleft()
+                if a.error is None and a.fault is not None and a.fault.error is not None:
+                    e = a.fault.error
+                    a.error = f"{type(e).__name__}: {e}"
+                    _log.warning("transfer of op %d (%s) failed on its stream: %s", a.op_id, direction, a.error)
                 if a.error is not None:
                     self._emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
                     out.append(
                         Ack(a.op_id, direction, a.node_ids, False, a.error, None, None, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
                     )
+                    if closing and not stuck:
+                        self._free_given(a.op_id, a.given)
                     continue
-                dur = a.start.elapsed_ns(a.finish)
+                dur = self._elapsed(a.start, a.finish)
                 layers = None
                 if a.layer_events is not None:
-                    ls = [a.start.elapsed_ns(e) for e in a.layer_events]
+                    ls = [self._elapsed(a.start, e) for e in a.layer_events]
                     layers = tuple(x for x in ls if x is not None) if all(x is not None for x in ls) else None
                 self._emit(
                     TransferCompleted,
@@ -969,6 +1110,26 @@ class HiCacheController:
                     Ack(a.op_id, direction, a.node_ids, True, None, dur, layers, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
                 )
             return out
+
+    @staticmethod
+    def _elapsed(start: DeviceEvent, end: DeviceEvent) -> int | None:
+        try:
+            return start.elapsed_ns(end)
+        except Exception:  # no timing is a value (None), not a failed transfer
+            _log.exception("a runtime event failed to report its elapsed time")
+            return None
+
+    def _free_given(self, op_id: int, given: _Given) -> None:
+        """Free the slots allocated for a failed op (``reason="failed"``), those still allocated."""
+        for pool, tier, t in given:
+            values = t.tolist()
+            if not values:
+                continue
+            a = self._alloc(pool, tier)
+            gone = set(a.table.unallocated(runs_from_list(values)))
+            keep = [v for v in values if v not in gone] if gone else values
+            if keep:
+                a.free(keep, reason="failed", op=op_id)
 
     def in_flight(self, direction: str) -> int:
         return self.state.in_flight(direction)
@@ -984,18 +1145,50 @@ class HiCacheController:
             self.runtime.synchronize()
 
     def close(self) -> None:
-        """Finish in-flight work, reap every ack, and refuse further calls. Idempotent."""
+        """Finish in-flight work, end every op, and refuse further calls. Idempotent.
+
+        Ops in flight are reaped (completed, or failed); ops still queued, never started,
+        are cancelled: each gets its ``TransferSubmitted`` without tensors and a
+        ``TransferFailed`` whose error starts with ``ControllerClosedError``. Every op that
+        ends failed here has the slots allocated for it freed (``reason="failed"``): no one
+        can free them after close.
+        """
         with self._lock:
             if self._closed:
                 return
-            self.runtime.synchronize()
-            self.poll_writes()
-            self.poll_loads()
+            self.runtime.synchronize()  # may raise: then the controller stays open, nothing changed
+            out = self._reap(D2H, closing=True) + self._reap(H2D, closing=True)
+            for direction, stream in ((D2H, self.write_stream), (H2D, self.load_stream)):
+                for op_id in list(self.state.queues[direction]):
+                    op = self._ops.pop(op_id, None)
+                    self._emit(
+                        OperationsMerged,
+                        op=op_id,
+                        merged_ops=(op_id,),
+                        direction=direction,
+                        node_ids=tuple(op.node_ids) if op is not None else self.state.ops[op_id].node_ids,
+                    )
+                    self._end_unstarted(op_id, stream, "cancelled: the controller was closed before this op started")
+                # merged and never submitted (an exception that escaped a submission)
+                for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "merged"]:
+                    self._end_unstarted(op_id, stream, "the op was merged and never submitted; ended at close")
+                out += self._reap(direction, closing=True)
+            self._given.clear()
+            self._ops.clear()
             self._closed = True
             self._unsubscribe_state()
             self._unobserve()
             if self._owns_log:
                 self.log.close()
+            if out:
+                _log.debug("close() ended %d ops: %s", len(out), [(a.op_id, a.ok) for a in out])
+
+    def _end_unstarted(self, op_id: int, stream: Any, why: str) -> None:
+        s = self.state.ops[op_id]
+        self._fail_unsubmitted(
+            op_id, s.direction, s.node_ids, s.slots_by_pool, stream, -1, ControllerClosedError(why),
+            self._given.pop(op_id, ()),
+        )
 
     def __enter__(self) -> HiCacheController:
         return self

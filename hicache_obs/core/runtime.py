@@ -11,6 +11,8 @@ Operations of every :class:`Runtime`:
 - ``empty(shape, dtype)``: a long-lived device buffer (pool storage)
 - ``launch(fn, *tensors)``: run ``fn(*tensors)`` as work on the current stream
 - ``synchronize()``; ``drain()``
+- ``tensor_type`` (optional, ``torch.Tensor`` when absent): the class of the runtime's
+  device tensors; an index tensor of any other subclass is refused
 - ``observers``: a :class:`CallObservers` the runtime reports its served calls to: a
   record it made (``record_stream``) and an index tensor it copied to another device
   (``to_device``/``to_host``). The controller's ``StreamRecorded`` and ``IndicesMoved``
@@ -197,6 +199,7 @@ class CpuRuntime:
     name = "cpu"
     device = "cpu"
     has_device = False
+    tensor_type = torch.Tensor
 
     def __init__(self) -> None:
         self.observers = CallObservers()
@@ -311,6 +314,7 @@ class CudaRuntime:
 
     name = "cuda"
     has_device = True
+    tensor_type = torch.Tensor
 
     def __init__(self, device: int | str = 0) -> None:
         if not torch.cuda.is_available():

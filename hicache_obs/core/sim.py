@@ -265,6 +265,8 @@ class SimRuntime:
     name = "sim"
     device = "sim:0"
     has_device = True
+    #: the type of this runtime's device tensors (an index tensor of any other subclass is refused)
+    tensor_type = SimTensor
 
     def __init__(self, segment_bytes: int = _SEGMENT_BYTES) -> None:
         self._segment_bytes = segment_bytes
@@ -410,10 +412,12 @@ class SimRuntime:
         self.observers.recorded(tensor, stream)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
-        return isinstance(tensor, SimTensor)
+        """A tensor in this runtime's arena (another ``SimRuntime``'s tensors are not: their
+        offsets name another arena)."""
+        return isinstance(tensor, SimTensor) and tensor._sim_rt is self
 
     def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        if isinstance(tensor, SimTensor):
+        if self.is_device(tensor):
             return tensor
         return self.observers.moved(tensor, self._alloc_copy(tensor))
 
@@ -440,10 +444,20 @@ class SimRuntime:
                 fn(*[self._plain(t) for t in tensors])
             return
         captured = [self._capture(t) for t in tensors]
+        # a guarded copy (the controller's: ``fn.fail``) takes the failure of rebuilding its
+        # tensors too, so it is that op's failure, never raised from whichever call ran the stream
+        fail = getattr(fn, "fail", None)
 
         def work() -> None:
             with torch._C.DisableTorchFunctionSubclass():
-                fn(*[self._materialise(c) for c in captured])
+                try:
+                    args = [self._materialise(c) for c in captured]
+                except Exception as exc:
+                    if fail is None:
+                        raise
+                    fail(exc)
+                    return
+                fn(*args)
 
         s.submit(work)
 
@@ -456,6 +470,15 @@ class SimRuntime:
     def _capture(self, t: Any) -> Any:
         if not isinstance(t, SimTensor):
             return ("value", t)
+        if t._sim_rt is not self:
+            raise ValueError("a sim device tensor of another SimRuntime cannot be used on this one's streams")
+        with torch._C.DisableTorchFunctionSubclass():
+            if t.is_neg() or t.is_conj():
+                # the capture keeps offset, shape and strides, not the view's bits
+                raise ValueError(
+                    f"a sim device tensor with its {'negative' if t.is_neg() else 'conjugate'} bit set cannot be "
+                    "captured for a side stream: the work would read the raw storage"
+                )
         blk = t._sim_block
         if blk is None:  # persistent buffer: long-lived, like a pool's storage
             return ("value", t.as_subclass(torch.Tensor))
@@ -484,7 +507,9 @@ class SimRuntime:
         return True
 
     def tensor_device(self, tensor: torch.Tensor) -> str:
-        return self.device if isinstance(tensor, SimTensor) else "cpu"
+        if isinstance(tensor, SimTensor):
+            return self.device if tensor._sim_rt is self else f"{self.device} of another SimRuntime"
+        return "cpu"
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

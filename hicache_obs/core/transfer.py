@@ -1,5 +1,8 @@
 """The copy kernels of the io backends, launched through a runtime.
 
+Each launch may take a :class:`CopyFault`: its copies then never raise, wherever they
+run; the first failure is stored for the op's ack.
+
 ``kernel``: both index tensors on the device, int64, equal length; gathers and
 scatters by index (a device kernel on cuda). ``direct``: index values on the CPU;
 consecutive slot pairs are grouped into runs and copied as whole slices, so a
@@ -22,6 +25,7 @@ from .runtime import Runtime
 
 __all__ = [
     "IO_BACKENDS",
+    "CopyFault",
     "check_kernel_indices",
     "pair_runs",
     "tensor_pair_runs",
@@ -61,6 +65,50 @@ def pair_runs(host: Any, device: Any) -> Runs3:
 def tensor_pair_runs(host: torch.Tensor, device: torch.Tensor) -> Runs3:
     """:func:`pair_runs` of two CPU index tensors, read in place through numpy views."""
     return pair_runs_of(host.numpy(), device.numpy())  # type: ignore[return-value]  # int64: no grad
+
+
+class CopyFault:
+    """The first exception one op's copies raised, wherever they ran.
+
+    The launch functions wrap each copy in a guard that stores its exception here instead
+    of raising it: on a runtime that defers work (``sim``, a side stream) the copy runs
+    inside whatever later call drains the stream, and its failure belongs to the op, not
+    to that call. Once a copy failed, the op's remaining copies are skipped.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def guard(self, fn: Any) -> Any:
+        return _Guarded(fn, self)
+
+
+class _Guarded:
+    """``fn`` run under a :class:`CopyFault`; ``fail`` lets a runtime report an error it hit
+    while preparing the call (the ``sim`` runtime rebuilding captured tensors)."""
+
+    __slots__ = ("fn", "fault")
+
+    def __init__(self, fn: Any, fault: CopyFault) -> None:
+        self.fn = fn
+        self.fault = fault
+
+    def __call__(self, *args: Any) -> None:
+        if self.fault.error is not None:
+            return  # an earlier copy of this op failed: its data is not trusted anyway
+        try:
+            self.fn(*args)
+        except Exception as exc:
+            self.fault.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        self.fault.fail(exc)
 
 
 # ------------------------------------------------------------------ kernels
@@ -158,10 +206,18 @@ def _geometry(plane: torch.Tensor, page_first: bool) -> tuple[int, int, int, int
 
 
 def _native_launch(
-    kind: str, runtime: Runtime, host_pool: HostPool, device_pool: DevicePool, runs: Runs3, *layer: int
+    kind: str,
+    runtime: Runtime,
+    host_pool: HostPool,
+    device_pool: DevicePool,
+    runs: Runs3,
+    fault: CopyFault | None,
+    *layer: int,
 ) -> None:
     """Every plane of a pool through the native loop: host <- device for ``d2h``, else device <- host."""
     copy_runs = runtime.native_copies.copy_runs  # type: ignore[attr-defined]
+    if fault is not None:
+        copy_runs = fault.guard(copy_runs)
     packed = array("q", chain.from_iterable(runs))  # (host, device, length) triples
     to_host = kind == "d2h"
     pf = host_pool.layout == "page_first"
@@ -188,13 +244,16 @@ def _launch(
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     runs: Runs3 | None,
+    fault: CopyFault | None,
     *layer: int,
 ) -> None:
     if runs is not None and getattr(runtime, "native_copies", None) is not None:
-        _native_launch(kind, runtime, host_pool, device_pool, runs, *layer)
+        _native_launch(kind, runtime, host_pool, device_pool, runs, fault, *layer)
         return
     lf, pf = _KERNELS[(kind, runs is not None)]
     fn = lf if host_pool.layout == "layer_first" else pf
+    if fault is not None:
+        fn = fault.guard(fn)
     for name, hplane in host_pool.planes.items():
         dplane = device_pool.planes[name]
         if runs is not None:
@@ -210,9 +269,10 @@ def launch_backup(
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     runs: Runs3 | None,
+    fault: CopyFault | None = None,
 ) -> None:
     """Device -> host, all layers of every plane, on the current stream."""
-    _launch("d2h", runtime, host_pool, device_pool, host_idx, dev_idx, runs)
+    _launch("d2h", runtime, host_pool, device_pool, host_idx, dev_idx, runs, fault)
 
 
 def launch_load_all(
@@ -222,9 +282,10 @@ def launch_load_all(
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     runs: Runs3 | None,
+    fault: CopyFault | None = None,
 ) -> None:
     """Host -> device, every layer at once: for runtimes where nothing overlaps the copy."""
-    _launch("h2d_all", runtime, host_pool, device_pool, host_idx, dev_idx, runs)
+    _launch("h2d_all", runtime, host_pool, device_pool, host_idx, dev_idx, runs, fault)
 
 
 def launch_load_layer(
@@ -235,6 +296,7 @@ def launch_load_layer(
     host_idx: torch.Tensor,
     dev_idx: torch.Tensor,
     runs: Runs3 | None,
+    fault: CopyFault | None = None,
 ) -> None:
     """Host -> device, one (pool-local) layer of every plane, on the current stream."""
-    _launch("h2d_layer", runtime, host_pool, device_pool, host_idx, dev_idx, runs, layer)
+    _launch("h2d_layer", runtime, host_pool, device_pool, host_idx, dev_idx, runs, fault, layer)
