@@ -35,7 +35,9 @@ def tensor_problem(t: torch.Tensor, runtime: Any) -> str | None:
     """
     device_type = getattr(runtime, "tensor_type", torch.Tensor)
     cls = type(t)
-    if cls is not torch.Tensor and not (cls is device_type and runtime.is_device(t)):
+    if cls is device_type and cls is not torch.Tensor and not runtime.is_device(t):
+        return f"is a device tensor of {runtime.tensor_device(t)}, not of this runtime ({runtime.device})"
+    if cls is not torch.Tensor and cls is not device_type:
         return (
             f"must be a plain torch.Tensor, got an instance of {cls.__module__}.{cls.__qualname__}: "
             "a subclass's values need not be what its storage holds, and the copies read the storage"
