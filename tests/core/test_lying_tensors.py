@@ -52,7 +52,6 @@ def _on(c: HiCacheController, t: torch.Tensor, tier: str) -> torch.Tensor:
 def _lying(kind: str, c: HiCacheController, good: torch.Tensor, tier: str) -> tuple[torch.Tensor, str]:
     """A tensor holding ``good``'s values (the CPU copy), lying in the way ``kind`` says,
     and a fragment the refusal must name."""
-    rt = c.runtime
     if kind == "neg_view":
         return torch._neg_view(_on(c, good.neg(), tier)), "negative bit"
     if kind == "subclass":
