@@ -58,7 +58,7 @@ from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ModelSpec
-from .tensors import tensor_problem
+from .tensors import subclass_problem, tensor_problem
 from .transfer import (
     IO_BACKENDS,
     CopyFault,
@@ -356,13 +356,16 @@ class HiCacheController:
         """Check an index tensor; returns its values when they can be read without a sync."""
         if not isinstance(t, torch.Tensor):
             raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
-        problem = tensor_problem(t, self.runtime)
+        problem = subclass_problem(t, self.runtime)
         if problem is not None:
             raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
         if t.dtype != torch.int64:
             raise InvalidIndicesError(f"{arg} for pool {pool!r} must be int64, got {t.dtype}")
         if t.dim() != 1:
             raise InvalidIndicesError(f"{arg} for pool {pool!r} must be 1-D, got shape {tuple(t.shape)}")
+        problem = tensor_problem(t, self.runtime)
+        if problem is not None:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
         rt = self.runtime
         on_dev = rt.is_device(t)
         if tier == "host" and on_dev:
@@ -708,13 +711,13 @@ class HiCacheController:
             for arg, t in (("host_indices", host_indices), ("device_indices", device_indices)):
                 if not isinstance(t, torch.Tensor):
                     raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
-                problem = tensor_problem(t, self.runtime)
+                problem = subclass_problem(t, self.runtime)
+                if problem is None and (t.dtype != torch.int64 or t.dim() != 1):
+                    problem = f"must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+                if problem is None:
+                    problem = tensor_problem(t, self.runtime)
                 if problem is not None:
                     raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
-                if t.dtype != torch.int64 or t.dim() != 1:
-                    raise InvalidIndicesError(
-                        f"{arg} for pool {pool!r} must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
-                    )
             rt = self.runtime
             if rt.has_device and not rt.is_device(device_indices):
                 raise InvalidIndicesError(
