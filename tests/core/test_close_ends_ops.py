@@ -18,7 +18,7 @@ import torch
 from test_lying_tensors import _alloc, _bits, _doomed_copies, _fill, _free_node, _load, _read_host, _same, _write
 
 from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer
-from hicache_obs.core.sim import SimRuntime
+from hicache_obs.core.sim import SimEvent, SimRuntime
 from hicache_obs.events.audit import audit
 from hicache_obs.events.replay import replay
 from hicache_obs.events.schema import (
@@ -216,3 +216,38 @@ def test_a_hybrid_load_cancelled_at_close_frees_every_pools_slots(
     _nothing_open(c)
     pools = {e.pool for e in c.log.events() if isinstance(e, SlotsFreed) and e.reason == "failed"}
     assert pools == {"kv", "mamba"}
+
+
+class _NeverDone(SimEvent):
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return False
+
+
+class _StuckSim(SimRuntime):
+    """A sim runtime whose events made while armed never report done, even after synchronize()."""
+
+    armed = False
+
+    def event(self, enable_timing: bool = False) -> SimEvent:
+        return _NeverDone(self, enable_timing) if self.armed else super().event(enable_timing)
+
+
+def test_close_fails_an_op_the_runtime_never_finishes_and_keeps_its_slots(
+    controllers: Callable[..., HiCacheController],
+) -> None:
+    """Its copies may still write: its host slots stay allocated (a leak, not a use after free)."""
+    rt = _StuckSim()
+    c = controllers(rt, "tiny")
+    node = _alloc(c)
+    rt.armed = True
+    host = _write(c, node, node_id=1)
+    rt.armed = False
+    assert c.poll_writes() == []
+    c.close()
+    _nothing_open(c)
+    (failed,) = [e for e in c.log.events() if isinstance(e, TransferFailed)]
+    assert "still unfinished at close()" in failed.error
+    assert not [e for e in c.log.events() if isinstance(e, SlotsFreed) and e.reason == "failed"]
+    assert c.state.table("kv", "host").used == host["kv"].numel()
