@@ -1,8 +1,9 @@
 """Prometheus metric names, types and label sets: the single source for code and dashboards.
 
-Every name of ``DESIGN.md`` ("Metrics") is a constant here; :data:`ALL_METRICS`
-maps each exposed name to ``(type, label names)``. :data:`ADDITIONS` lists the
-series this package exposes beyond DESIGN.md. The dashboards test imports this
+Every metric name the project promises its users (:data:`DESIGN_METRICS`, the
+stable set) is a constant here; :data:`ALL_METRICS` maps each exposed name to
+``(type, label names)``. :data:`ADDITIONS` lists the series exposed beyond that
+stable set. The dashboards test imports this
 module so that no query can name a metric the code does not define.
 """
 
@@ -59,14 +60,14 @@ EVENTS_TOTAL = "hicache_events_total"
 EVENTS_DROPPED_TOTAL = "hicache_events_dropped_total"
 EXPORTER_ERRORS_TOTAL = "hicache_exporter_errors_total"
 
-# additions beyond DESIGN.md
+# additions beyond the stable set
 EVICTIONS_TOTAL = "hicache_evictions_total"
 EVICTED_SLOTS_TOTAL = "hicache_evicted_slots_total"
 
 #: values of the ``status`` label of :data:`OPERATIONS_TOTAL`
 OPERATION_STATUSES = ("submitted", "completed", "failed")
 
-#: The metrics DESIGN.md names: name -> (type, label names).
+#: The stable metric names users depend on: name -> (type, label names).
 DESIGN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     OPERATIONS_TOTAL: (COUNTER, ("direction", "status")),
     TRANSFERS_IN_FLIGHT: (GAUGE, ("direction",)),
@@ -86,7 +87,7 @@ DESIGN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     EXPORTER_ERRORS_TOTAL: (COUNTER, ("sink",)),
 }
 
-#: Series exposed beyond DESIGN.md (documented in the README).
+#: Series exposed beyond the stable set (documented in the README).
 ADDITIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     EVICTIONS_TOTAL: (COUNTER, ("pool", "tier")),
     EVICTED_SLOTS_TOTAL: (COUNTER, ("pool", "tier")),

@@ -85,7 +85,7 @@ __all__ = [
 
 INSTRUMENTATION_NAME = "hicache_obs.exporters.otel"
 
-#: The attribute keys every span carries (DESIGN.md "Spans").
+#: The attribute keys every span carries (a stable set: dashboards and queries use them).
 SPAN_ATTRIBUTES = (
     "hicache.op_id",
     "hicache.direction",

@@ -2,7 +2,7 @@
 
 They move cache state between device pools and pinned host pools through a write
 queue and a load queue, each started on its own side stream, the way SGLang's
-HiCache does (see ``shared/REFERENCE.md``). Every state change is an event
+HiCache does. Every state change is an event
 appended to ``controller.log``; the bookkeeping (``controller.state``) is the fold
 of those events.
 
