@@ -95,4 +95,7 @@ def _silence_stdout() -> None:
 
 
 def _error(message: str) -> None:
-    print(f"hicache-obs: error: {message}", file=sys.stderr)
+    from ._common import escape_text
+
+    # an error may quote a log (a line, a name): never let it drive the terminal
+    print(f"hicache-obs: error: {escape_text(message, markup=False)}", file=sys.stderr)

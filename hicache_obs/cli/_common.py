@@ -23,6 +23,7 @@ __all__ = [
     "fmt_rate",
     "fmt_ids",
     "formatter",
+    "escape_text",
 ]
 
 EXIT_OK = 0
@@ -72,6 +73,35 @@ def read_log(paths: Sequence[str], **replay_options: Any) -> Any:
         return replay(list(paths), **replay_options)
     except (HiCacheError, OSError, UnicodeError) as exc:
         raise CliError(f"cannot read log: {exc}") from None
+
+
+def escape_text(value: object, *, markup: bool = True) -> str:
+    """``value`` as text that is safe to print on a terminal: what comes from a log goes through here.
+
+    Every character that is not printable (C0 and C1 controls, ESC, DEL, bidi overrides and
+    other format characters, line/paragraph separators, lone surrogates, unassigned code
+    points) becomes a visible ``\\xNN``/``\\uNNNN``/``\\UNNNNNNNN`` escape, so a log cannot
+    move the cursor, clear the screen, plant an OSC 8 hyperlink or reorder what is shown.
+    With ``markup`` (text that goes to ``rich``'s ``print`` as markup) brackets are escaped
+    too, so ``[/x]`` or ``[link=...]`` print as written instead of being read as markup.
+    """
+    text = value if isinstance(value, str) else str(value)
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else _escape_char(c) for c in text)
+    if markup and ("[" in text or text.endswith("\\")):
+        from rich.markup import escape
+
+        text = escape(text)
+    return text
+
+
+def _escape_char(c: str) -> str:
+    o = ord(c)
+    if o <= 0xFF:
+        return f"\\x{o:02x}"
+    if o <= 0xFFFF:
+        return f"\\u{o:04x}"
+    return f"\\U{o:08x}"
 
 
 def console(*, stderr: bool = False, file: IO[str] | None = None) -> Any:

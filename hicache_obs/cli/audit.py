@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from ._common import EXIT_FINDINGS, EXIT_OK, console, fmt_ids, formatter, read_log
+from ._common import EXIT_FINDINGS, EXIT_OK, console, escape_text, fmt_ids, formatter, read_log
 
 __all__ = ["register", "run", "audit_report"]
 
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     res = read_log(args.logs, audit=True, keep_events=False)
     report = audit_report(res)
     for t in report["torn_lines"]:
-        print(f"hicache-obs: warning: {t['file']}:{t['line']}: torn last line skipped", file=sys.stderr)
+        where = escape_text(t["file"], markup=False)
+        print(f"hicache-obs: warning: {where}:{t['line']}: torn last line skipped", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -93,9 +94,11 @@ def _print(report: dict[str, Any], res: Any, *, verbose: bool) -> None:
         roles = sorted({v["role"] for v in items})
         ops = sorted({v["op"] for v in items})
         multi_rank = len({v["rank"] for v in items}) > 1
-        con.print(f"\n[red]{rule}[/] pool [bold]{pool}[/] ({'/'.join(roles)}): {len(items)}")
+        # rule, pool, role and detail come from the log: escaped (markup and control characters)
+        shown_roles = "/".join(escape_text(r) for r in roles)
+        con.print(f"\n[red]{escape_text(rule)}[/] pool [bold]{escape_text(pool)}[/] ({shown_roles}): {len(items)}")
         con.print(f"  ops {fmt_ids(ops, 12)}")
         shown = items if verbose else items[:1]
         for v in shown:
             where = f"rank {v['rank']} op {v['op']}" if multi_rank or verbose else f"op {v['op']}"
-            con.print(f"  {where}: {v['detail']}")
+            con.print(f"  {where}: {escape_text(v['detail'])}")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._common import EXIT_OK, CliError, console, fmt_bytes, fmt_ids, fmt_rate, formatter, port_arg
+from ._common import EXIT_OK, CliError, console, escape_text, fmt_bytes, fmt_ids, fmt_rate, formatter, port_arg
 
 __all__ = ["register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"]
 
@@ -436,6 +436,7 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
     from rich.table import Table
 
     con = console()
+    e = escape_text  # pool names (SGLang's, or a log's), paths and URLs are printed as given, not as markup
     fault = f", fault {s['fault']}" if s["fault"] else ""
     engine = f"SGLang {s['sglang_release']}'s controller" if s.get("engine") == "sglang" else "our controller"
     con.print(
@@ -455,7 +456,7 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
                 label if first else "",
                 str(s["operations"][d]) if first else "",
                 str(s["failed_operations"][d]) if first else "",
-                pool,
+                e(pool),
                 str(s["slots"][pool][d]),
                 fmt_bytes(s["bytes"][pool][d]),
                 fmt_rate(s["bandwidth_bytes_per_s"][d]) if first else "",
@@ -491,7 +492,7 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
     a.add_column("violations", justify="right")
     for rule, pools in sorted(s["violations"].items()):
         for pool, n in sorted(pools.items()):
-            a.add_row(f"[red]{rule}[/]", pool, str(n))
+            a.add_row(f"[red]{e(rule)}[/]", e(pool), str(n))
     if not s["violations"]:
         a.add_row("[green]none[/]", "", "0")
     con.print(a)
@@ -505,21 +506,21 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
         )
         for item in s["corrupted_slots"][:5]:
             con.print(
-                f"  node {item['node']} pool {item['pool']} after {item['direction']} op {item['op']}: "
+                f"  node {item['node']} pool {e(item['pool'])} after {item['direction']} op {item['op']}: "
                 f"{item['tier']} slots {fmt_ids(item['slots'], 6)}"
             )
 
-    out = s["out"]
+    out = e(s["out"])
     lines = [
         f"events:  {out}/ ({len(s['files']['events'])} segment(s), {s['events']} events)",
-        f"trace:   {s['files']['trace']}  (open in https://ui.perfetto.dev)",
-        f"metrics: {s['metrics_url']}" + ("" if serving else "  (until exit; --serve keeps it)"),
+        f"trace:   {e(s['files']['trace'])}  (open in https://ui.perfetto.dev)",
+        f"metrics: {e(s['metrics_url'])}" + ("" if serving else "  (until exit; --serve keeps it)"),
     ]
     if s["otlp_endpoint"]:
         otel = s["sinks"].get("otel", {})
         lost = otel.get("dropped", 0)
         note = f"  ({lost} lost: the collector did not take them)" if lost else ""
-        lines.append(f"spans:   exported to {s['otlp_endpoint']}{note}")
+        lines.append(f"spans:   exported to {e(s['otlp_endpoint'])}{note}")
     lines += [f"next:    hicache-obs audit {out}", f"         hicache-obs inspect {out}"]
     con.print()
     for line in lines:  # paths and commands stay whole, to be copied

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from ._common import EXIT_OK, CliError, formatter, read_log
+from ._common import EXIT_OK, CliError, escape_text, formatter, read_log
 
 __all__ = ["register", "run"]
 
@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("export: only one of --chrome-trace and --otlp-json can write to stdout")
     res = read_log(args.logs)
     for t in res.torn_lines:
-        print(f"hicache-obs: warning: {t.file}:{t.line}: torn last line skipped", file=sys.stderr)
+        where = escape_text(t.file, markup=False)
+        print(f"hicache-obs: warning: {where}:{t.line}: torn last line skipped", file=sys.stderr)
     res.events = with_audit_findings(res.events)
     if args.chrome_trace:
         from hicache_obs.exporters.chrome_trace import chrome_trace, write_chrome_trace

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from ._common import EXIT_OK, console, fmt_bytes, fmt_ids, fmt_ns, formatter, read_log
+from ._common import EXIT_OK, console, escape_text, fmt_bytes, fmt_ids, fmt_ns, formatter, read_log
 
 __all__ = ["register", "run", "op_views", "timeline"]
 
@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
 
     res = read_log(args.logs)
     for t in res.torn_lines:
-        print(f"hicache-obs: warning: {t.file}:{t.line}: torn last line skipped", file=sys.stderr)
+        where = escape_text(t.file, markup=False)
+        print(f"hicache-obs: warning: {where}:{t.line}: torn last line skipped", file=sys.stderr)
     events = res.events
     findings = audit(events)
     views = _select(op_views(events, findings), args)
@@ -292,15 +293,16 @@ def _print_timeline(lines: list[dict[str, Any]], *, multi_rank: bool) -> None:
     for ln in lines:
         who = f"r{ln['rank']} op {ln['op']}" if multi_rank else f"op {ln['op']}"
         style = "red" if ln["type"] in ("AuditViolation", "TransferFailed") else None
-        text = f"{ln['t_ms']:10.3f} ms  {who:>8}  {ln['text']}"
+        text = f"{ln['t_ms']:10.3f} ms  {who:>8}  {escape_text(ln['text'])}"  # names from the log: escaped
         con.print(text, style=style, overflow="fold")
         if "detail" in ln:
-            con.print(Padding(Text(_short(ln["detail"]), style="red"), (0, 0, 0, 24)))
+            con.print(Padding(Text(escape_text(_short(ln["detail"]), markup=False), style="red"), (0, 0, 0, 24)))
 
 
 def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
-    from rich.markup import escape
     from rich.tree import Tree
+
+    e = escape_text  # every name, stream, error and detail below comes from the log
 
     con = console()
     if not views:
@@ -314,7 +316,7 @@ def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
         rank = f"rank {v['rank']} " if multi_rank else ""
         nodes = fmt_ids(v["node_ids"], 6)
         head = (
-            f"[bold]{rank}op {v['op']}[/] {v['direction']} [{colour}]{status}[/]"
+            f"[bold]{rank}op {v['op']}[/] {e(v['direction'])} [{colour}]{e(status)}[/]"
             f" nodes {nodes} device {fmt_ns(v['duration_ns'])}"
         )
         tree = Tree(head)
@@ -322,17 +324,17 @@ def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
             tree.add(f"merged ops {fmt_ids(v['merged_ops'], 8)}")
         for name, p in v["pools"].items():
             n = p["slots"]
-            branch = tree.add(f"[bold]{name}[/] {n} slot{'' if n == 1 else 's'}, {fmt_bytes(p['bytes'])}")
+            branch = tree.add(f"[bold]{e(name)}[/] {n} slot{'' if n == 1 else 's'}, {fmt_bytes(p['bytes'])}")
             for mv in p["moves"]:
-                branch.add(f"{mv['role']} indices moved {mv['src']} -> {mv['dst']} ({mv['numel']})")
+                branch.add(f"{e(mv['role'])} indices moved {e(mv['src'])} -> {e(mv['dst'])} ({mv['numel']})")
             for t in p["tensors"]:
                 if not t["needs_record"]:
                     continue
                 mark = "[green]recorded[/]" if t["recorded"] else "[red bold]NOT recorded[/]"
-                branch.add(f"{t['role']} index on {t['device']}: {mark} on {t['stream']}")
+                branch.add(f"{e(t['role'])} index on {e(t['device'])}: {mark} on {e(t['stream'])}")
         if v["submitted_ms"] is not None:
             tree.add(
-                f"transfer on {v['stream']} ({v['io_backend']}, {v['layout']}) at {v['submitted_ms']:.3f} ms,"
+                f"transfer on {e(v['stream'])} ({e(v['io_backend'])}, {e(v['layout'])}) at {v['submitted_ms']:.3f} ms,"
                 f" queued {fmt_ns(v['queue_wait_ns'])}"
             )
         if status == "completed":
@@ -340,9 +342,9 @@ def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
             extra = f", {len(layers)} layers" if layers else ""
             tree.add(f"[green]completed[/] at {v['finished_ms']:.3f} ms: device {fmt_ns(v['duration_ns'])}{extra}")
         elif status == "failed":
-            tree.add(f"[red]failed[/] at {v['finished_ms']:.3f} ms: {escape(v['error'] or '')}")
+            tree.add(f"[red]failed[/] at {v['finished_ms']:.3f} ms: {e(v['error'] or '')}")
         else:
-            tree.add(f"[yellow]{status}[/], never completed")
+            tree.add(f"[yellow]{e(status)}[/], never completed")
         for f in v["violations"]:
-            tree.add(f"[red]{f['rule']}[/] {f['pool']}/{f['role']}: {escape(_short(f['detail']))}")
+            tree.add(f"[red]{e(f['rule'])}[/] {e(f['pool'])}/{e(f['role'])}: {e(_short(f['detail']))}")
         con.print(tree)
