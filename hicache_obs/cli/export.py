@@ -43,6 +43,14 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("export: give --chrome-trace FILE and/or --otlp-json FILE")
     if args.chrome_trace == "-" and args.otlp_json == "-":
         raise CliError("export: only one of --chrome-trace and --otlp-json can write to stdout")
+    from .._files import OutputPathError, check_output
+
+    for option, target in (("--chrome-trace", args.chrome_trace), ("--otlp-json", args.otlp_json)):
+        if target and target != "-":
+            try:  # a folder, a socket, a dangling link: refused before the log is read
+                check_output(target)
+            except OutputPathError as exc:
+                raise CliError(f"export: {option} {exc}") from None
     res = read_log(args.logs)
     for t in res.torn_lines:
         where = escape_text(t.file, markup=False)
