@@ -11,22 +11,63 @@ Subcommands, one module each, every one with ``register(subparsers)`` and
 - ``instrument``: run a command with SGLang's controllers instrumented (:mod:`.instrument`)
 
 Exit codes: 0 success (clean), 1 violations found, 2 usage error or unreadable
-input, 130 interrupted. Errors are one line on stderr, never a traceback.
+input, 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM). Errors are one line
+on stderr, never a traceback, from the first import on.
+
+SIGTERM takes the path SIGINT takes: it raises :class:`Terminated` (a
+``KeyboardInterrupt``) in the main thread, so every ``with``/``finally`` runs and the
+demo closes its controller and event log (every queued event reaches the store) before
+it exits. A second SIGTERM while that runs is ignored; SIGKILL is the way to stop it
+without the flush.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 
 from .. import __version__
 from ..errors import HiCacheError
 from ._common import EXIT_USAGE, CliError, formatter
 
-__all__ = ["main", "build_parser", "COMMANDS"]
+__all__ = ["main", "build_parser", "COMMANDS", "Terminated", "EXIT_INTERRUPTED", "EXIT_TERMINATED"]
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM: unwinds like Ctrl-C, so nothing is left unflushed."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the command runs, SIGTERM raises :class:`Terminated` (once; later ones are ignored
+    so the unwinding can finish). Left alone where someone else installed a handler, or off
+    the main thread (Python only runs signal handlers there)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the unwinding below must not be cut short
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ("demo", "audit", "inspect", "export", "bench", "instrument")
@@ -62,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (the console script exits with it)."""
+    try:
+        with _sigterm_unwinds():
+            return _main(argv)
+    except Terminated:  # during start-up, or raised again while a command unwound
+        _error("terminated")
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:  # e.g. Ctrl-C while torch is imported
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -81,9 +134,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HiCacheError, OSError) as exc:
         _error(str(exc) or type(exc).__name__)
         return EXIT_USAGE
+    except Terminated:
+        _error("terminated")
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         _error("interrupted")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _silence_stdout() -> None:

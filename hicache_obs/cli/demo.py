@@ -41,6 +41,11 @@ TRACE_FILE = "trace.json"
 ENGINES = ("ours", "sglang")
 DEFAULT_RUNTIME = "sim"
 DEFAULT_LAYOUT = "layer_first"
+#: How far the store's writer thread may fall behind before the demo waits for it (policy
+#: ``block``). With the runner's 4096-event batches this bounds what a SIGKILL can lose: at
+#: most ``STORE_MAX_QUEUE`` + 4096 events, those emitted since the writer last took a batch
+#: (it takes one at least every 50 ms). SIGINT and SIGTERM lose nothing.
+STORE_MAX_QUEUE = 4096
 
 _EPILOG = """\
 examples:
@@ -196,6 +201,33 @@ def register(sub: Any) -> None:
 
 # ------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> int:
+    """Run the demo. Interrupted (SIGINT, or SIGTERM, which the command turns into the same
+    unwinding), it closes the controller and the log, so every event emitted reaches the
+    store, says so in one line on stderr, and re-raises for the exit status (130/143)."""
+    opened: dict[str, Any] = {}
+    try:
+        return _run(args, opened)
+    except KeyboardInterrupt as exc:
+        _report_interrupted(opened, exc)
+        raise
+
+
+def _report_interrupted(opened: dict[str, Any], exc: KeyboardInterrupt) -> None:
+    if "store" not in opened:
+        return  # interrupted before the log existed: nothing was recorded
+    from . import Terminated
+
+    st = opened["store"].stats()
+    lost = f", {st['dropped']} lost (counted)" if st["dropped"] else ""
+    print(
+        f"hicache-obs: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}: "
+        f"{st['handled']} of {opened['log'].published} events written to "
+        f"{escape_text(opened['out'], markup=False)}/{lost}",
+        file=sys.stderr,
+    )
+
+
+def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     from ..core.runtime import make_runtime
     from ..core.spec import ModelSpec
     from ..events.audit import Auditor
@@ -205,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     from ..workload import Workload, controller_options
 
     spec = ModelSpec.preset(args.model)
+    _check_pool_memory(spec, args.device_tokens)  # before torch is asked for terabytes
     harness = None
     if getattr(args, "engine", "ours") == "sglang":
         harness = _sglang_harness(args, spec)  # refusals, a missing SGLang: before --out is touched
@@ -221,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         log = EventLog()
         stack.callback(log.close)
-        store = open_store(log, out)
+        store = open_store(log, out, max_queue=STORE_MAX_QUEUE)
+        opened.update(log=log, store=store, out=str(out))
         metrics_url, server = _start_metrics(log, args.metrics_port)
         stop = getattr(server, "stop", None) or server.shutdown
         stack.callback(stop)
@@ -340,6 +374,40 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
     return harness
 
 
+def _pool_bytes(spec: Any, device_tokens: int) -> int:
+    """Bytes the pools of the workload take on both tiers (host = ``host_ratio`` x device)."""
+    from ..workload import controller_options
+
+    opts = controller_options(spec, device_tokens)
+    sizes = {"kv": opts["device_size"], **opts["pool_sizes"]}
+    tiers = 1.0 + float(opts["host_ratio"])
+    return int(sum(spec.slot_bytes(name) * n * tiers for name, n in sizes.items()))
+
+
+def _available_memory() -> int | None:
+    """Memory this machine can give now: ``MemAvailable`` (Linux), else physical memory."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return None  # pragma: no cover - every POSIX system answers one of them
+
+
+def _check_pool_memory(spec: Any, device_tokens: int) -> None:
+    """Refuse a ``--device-tokens`` whose pools cannot fit in memory (torch would fail, or the
+    kernel's OOM killer would end the run, after minutes of zeroing pages)."""
+    need = _pool_bytes(spec, device_tokens)
+    have = _available_memory()
+    if have is not None and need > have:
+        raise CliError(
+            f"--device-tokens {device_tokens}: the pools of model {spec.name} need {fmt_bytes(need)} "
+            f"(device and host tiers), more than the {fmt_bytes(have)} of memory available"
+        )
+
+
 def _sink_stats(runner: Any) -> dict[str, int]:
     """A runner's counts plus what its sink lost after taking events (spans a collector refused)."""
     st = dict(runner.stats())
@@ -352,14 +420,30 @@ def _sink_stats(runner: Any) -> dict[str, int]:
 
 
 def _prepare_out(out: Path, glob: str) -> None:
-    """Create ``out``; remove an earlier run's segments and trace (they would not replay with this run's)."""
+    """Create ``out`` and check that this process can write there, before any work is done;
+    remove an earlier run's segments and trace (they would not replay with this run's).
+
+    A ``trace.json`` that is a symlink, a FIFO or a device is left alone and written through
+    (or in place) at the end, as :func:`hicache_obs._files.write_text` does."""
+    import tempfile
+
+    from .._files import OutputPathError, check_output, make_dirs
+
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out}: exists and is not a folder")
-    from .._files import make_dirs
-
-    make_dirs(out)
+    try:
+        make_dirs(out)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".hicache-probe.")  # /proc/self, a read-only mount...
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CliError(f"--out {out}: cannot write there: {exc.strerror or exc}") from None
+    try:
+        check_output(out / TRACE_FILE)
+    except OutputPathError as exc:
+        raise CliError(f"--out {out}: {exc}") from None
     for old in [*out.glob(glob), out / TRACE_FILE]:
-        if old.is_file():
+        if old.is_file() and not old.is_symlink():
             old.unlink()
 
 
