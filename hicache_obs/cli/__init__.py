@@ -32,12 +32,21 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from types import FrameType
+from typing import Any
 
 from .. import __version__
 from ..errors import HiCacheError
 from ._common import EXIT_USAGE, CliError, formatter
 
-__all__ = ["main", "build_parser", "COMMANDS", "Terminated", "EXIT_INTERRUPTED", "EXIT_TERMINATED"]
+__all__ = [
+    "main",
+    "build_parser",
+    "COMMANDS",
+    "Terminated",
+    "deferred_interrupts",
+    "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
+]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -45,6 +54,38 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 class Terminated(KeyboardInterrupt):
     """Raised in the main thread by SIGTERM: unwinds like Ctrl-C, so nothing is left unflushed."""
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs (closing a log: an interrupt in the middle
+    of its flush would lose the tail), then raise what came: ``KeyboardInterrupt`` or
+    :class:`Terminated`. A signal that was ignored before the block stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+
+    previous: dict[int, Any] = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    unwinding = False
+    try:
+        yield
+    except BaseException:
+        unwinding = True  # the block's own exception goes on; what was held is dropped
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        came = [s for s in got if previous[s] is not signal.SIG_IGN]
+        if came and not unwinding:
+            if signal.SIGTERM in came:
+                if previous[signal.SIGTERM] is not signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as the first SIGTERM does
+                raise Terminated()
+            raise KeyboardInterrupt()
 
 
 @contextlib.contextmanager

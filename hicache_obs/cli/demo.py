@@ -251,9 +251,20 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     _prepare_out(out, SEGMENT_GLOB)
 
     t_start = time.perf_counter()
+    from . import deferred_interrupts
+
+    def held(close: Callable[[], Any]) -> Callable[[], None]:
+        """``close`` with SIGINT/SIGTERM held until it returns: a signal cannot cut a flush short."""
+
+        def run_held() -> None:
+            with deferred_interrupts():
+                close()
+
+        return run_held
+
     with contextlib.ExitStack() as stack:
         log = EventLog()
-        stack.callback(log.close)
+        stack.callback(held(log.close))
         store = open_store(log, out, max_queue=STORE_MAX_QUEUE)
         opened.update(log=log, store=store, out=str(out))
         metrics_url, server = _start_metrics(log, args.metrics_port)
@@ -282,15 +293,16 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
                 write_policy=args.write_policy,
                 **controller_options(spec, args.device_tokens),
             )
-        stack.callback(controller.close)
+        stack.callback(held(controller.close))
         workload = Workload(controller, seed=args.seed, fault=args.fault)
         if not args.json:
             print(f"/metrics at {metrics_url}", file=sys.stderr)
         with _progress(args.steps, enabled=not args.json and sys.stderr.isatty()) as advance:
             stats = workload.run(args.steps, on_step=advance)
-        controller.close()
-        auditor.finish()
-        log.close()  # flushes every sink: the store, the metrics, the spans
+        with deferred_interrupts():  # a signal now waits until everything is written
+            controller.close()
+            auditor.finish()
+            log.close()  # flushes every sink: the store, the metrics, the spans
         wall = time.perf_counter() - t_start
 
         if log.overflowed:  # the in-memory log kept only the newest events: read the store back

@@ -412,3 +412,22 @@ def test_sigkill_loses_at_most_the_stores_queue_bound(tmp_path: Path) -> None:
     lost = n - on_disk
     print(f"emitted {n}, on disk {on_disk}, lost {lost} (bound {max_queue + batch})")
     assert 0 <= lost <= max_queue + batch, (n, on_disk)
+
+
+def test_a_signal_while_the_log_closes_waits_until_it_is_closed() -> None:
+    from hicache_obs.cli import Terminated, deferred_interrupts
+
+    steps: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered at once: the handler runs in this thread
+            time.sleep(0.05)
+            steps.append("closed")  # what the signal would have cut short
+    assert steps == ["closed"] and signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            steps.append("closed again")
+    assert steps == ["closed", "closed again"]
