@@ -237,7 +237,8 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     from ..workload import Workload, controller_options
 
     spec = ModelSpec.preset(args.model)
-    _check_pool_memory(spec, args.device_tokens)  # before torch is asked for terabytes
+    # before torch is asked for terabytes; on cuda the device tier is the GPU's memory, not this
+    _check_pool_memory(spec, args.device_tokens, device_tier=(args.runtime or DEFAULT_RUNTIME) != "cuda")
     harness = None
     if getattr(args, "engine", "ours") == "sglang":
         harness = _sglang_harness(args, spec)  # refusals, a missing SGLang: before --out is touched
@@ -386,13 +387,14 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
     return harness
 
 
-def _pool_bytes(spec: Any, device_tokens: int) -> int:
-    """Bytes the pools of the workload take on both tiers (host = ``host_ratio`` x device)."""
+def _pool_bytes(spec: Any, device_tokens: int, *, device_tier: bool = True) -> int:
+    """Bytes the pools of the workload take in host memory: the host tier (``host_ratio`` x
+    device) and, with ``device_tier`` (the cpu and sim runtimes), the device tier too."""
     from ..workload import controller_options
 
     opts = controller_options(spec, device_tokens)
     sizes = {"kv": opts["device_size"], **opts["pool_sizes"]}
-    tiers = 1.0 + float(opts["host_ratio"])
+    tiers = float(opts["host_ratio"]) + (1.0 if device_tier else 0.0)
     return int(sum(spec.slot_bytes(name) * n * tiers for name, n in sizes.items()))
 
 
@@ -408,15 +410,16 @@ def _available_memory() -> int | None:
     return None  # pragma: no cover - every POSIX system answers one of them
 
 
-def _check_pool_memory(spec: Any, device_tokens: int) -> None:
+def _check_pool_memory(spec: Any, device_tokens: int, *, device_tier: bool = True) -> None:
     """Refuse a ``--device-tokens`` whose pools cannot fit in memory (torch would fail, or the
     kernel's OOM killer would end the run, after minutes of zeroing pages)."""
-    need = _pool_bytes(spec, device_tokens)
+    need = _pool_bytes(spec, device_tokens, device_tier=device_tier)
     have = _available_memory()
     if have is not None and need > have:
+        tiers = "device and host tiers" if device_tier else "host tier"
         raise CliError(
             f"--device-tokens {device_tokens}: the pools of model {spec.name} need {fmt_bytes(need)} "
-            f"(device and host tiers), more than the {fmt_bytes(have)} of memory available"
+            f"({tiers}), more than the {fmt_bytes(have)} of memory available"
         )
 
 
