@@ -5,7 +5,7 @@
 thread, never on the controller's. It keeps plain counters and registers one
 collector in a :class:`~prometheus_client.CollectorRegistry` (a fresh one unless
 you pass yours; the global registry is never touched). The names, types and labels
-are those of :mod:`hicache_obs.exporters.metric_names` (DESIGN.md, plus
+are those of :mod:`hicache_obs.exporters.metric_names` (the stable set, plus
 ``hicache_evictions_total`` and ``hicache_evicted_slots_total``). Label children of the
 known pools, directions, roles, tiers, statuses, audit rules and event types exist
 from the start, so e.g. ``hicache_unrecorded_indices_total{pool="mamba",...}``
@@ -36,7 +36,7 @@ Several worker processes (one controller per rank): give each process its own
 sink, registry and server, on its own port (e.g. ``base_port + rank``), and let
 Prometheus scrape every port as a separate target. The ``instance`` label
 Prometheus attaches (``host:port``) tells the ranks apart; aggregate with
-``sum without (instance) (...)``. No label is added to DESIGN's label sets and no
+``sum without (instance) (...)``. No label is added to the stable label sets and no
 shared multiprocess directory is needed::
 
     sink = PrometheusSink(log=controller.log)
@@ -158,7 +158,7 @@ def _buckets(given: Sequence[float] | None, default: tuple[float, ...], what: st
 
 
 class PrometheusSink:
-    """Turns events into the Prometheus metrics of DESIGN.md (see module docstring).
+    """Turns events into the project's Prometheus metrics (see module docstring).
 
     ``pools``: pools whose label children exist from the start (pools seen in
     ``PoolCreated`` are added as they appear). ``duration_buckets`` /
