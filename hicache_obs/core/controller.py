@@ -48,6 +48,7 @@ from ..events.schema import (
     PoolCreated,
     StreamRecorded,
     TensorRef,
+    TransferFailed,
     TransferSubmitted,
     runs_from_list,
 )
@@ -851,7 +852,9 @@ class HiCacheController:
         """Submit a moved op. Whatever fails from here on is this op's failure: an ack with
         its error, reaped in FIFO order as a ``TransferFailed``, never an exception."""
         rt = self.runtime
-        given = self._given.pop(op.id, ())
+        # kept in _given until the ack holds it: an exception that escapes the submission
+        # (a KeyboardInterrupt) leaves the op to close(), which then still has its slots
+        given = self._given.get(op.id, ())
         try:
             pairs = self._with_runs(self._pairs(op))
             slots = self._slots_by_pool(op)
@@ -863,7 +866,8 @@ class HiCacheController:
         except Exception as exc:  # nothing launched yet
             _log.warning("transfer of op %d (%s) failed before submission: %s: %s", op.id, direction, type(exc).__name__, exc)
             return self._fail_unsubmitted(
-                op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc, given
+                op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc,
+                self._given.pop(op.id, ()),
             )
         self._emit(
             TransferSubmitted,
@@ -914,6 +918,7 @@ class HiCacheController:
         if direction == H2D and producer_id >= 0:
             self.layer_done_counter.set_finish_event(producer_id, ack.finish)
         self._acks[direction].append(ack)
+        self._given.pop(op.id, None)
         return ack
 
     def _finish_after_refusal(self, stream: Any, op: CacheOperation) -> DeviceEvent:
@@ -1176,6 +1181,12 @@ class HiCacheController:
                 for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "merged"]:
                     self._end_unstarted(op_id, stream, "the op was merged and never submitted; ended at close")
                 out += self._reap(direction, closing=True)
+                # submitted with no ack (an exception escaped between its TransferSubmitted and
+                # its ack): whatever it launched ran before synchronize() returned
+                for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "submitted"]:
+                    error = "ControllerClosedError: the op was submitted and its ack never queued; ended at close"
+                    self._emit(TransferFailed, op=op_id, direction=direction, error=error)
+                    self._free_given(op_id, self._given.pop(op_id, ()))
             self._given.clear()
             self._ops.clear()
             self._closed = True

@@ -188,6 +188,33 @@ def test_close_ends_an_op_left_merged_by_an_escaped_exception(
     assert failed.error.startswith("ControllerClosedError: the op was merged and never submitted")
 
 
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_close_ends_an_op_submitted_whose_ack_an_escaped_exception_lost(
+    controllers: Callable[..., HiCacheController], runtime: str, spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt after the op's TransferSubmitted and before its ack was queued
+    (a SIGTERM of the demo can land there): close still ends it, and frees its slots."""
+    c = controllers(runtime, spec)
+    (host,) = _backed_up(c, 1)
+    _load(c, host, node_id=3)
+
+    def interrupt(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(c, "_launch_load", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        c.start_loading()
+    monkeypatch.undo()
+    assert [s.status for s in c.state.ops.values()] == ["submitted"]
+    c.close()
+    _nothing_open(c)
+    (failed,) = [e for e in c.log.events() if isinstance(e, TransferFailed)]
+    assert failed.error.startswith("ControllerClosedError: the op was submitted and its ack never queued")
+    freed = [e for e in c.log.events() if isinstance(e, SlotsFreed) and e.reason == "failed"]
+    assert {e.op for e in freed} == {failed.op} and {e.tier for e in freed} == {"device"}
+
+
 def test_close_inside_paused_raises_and_changes_nothing(controllers: Callable[..., HiCacheController]) -> None:
     """close() must wait for work in flight; when it cannot, it says so and stays open."""
     c = controllers("sim", "tiny")
