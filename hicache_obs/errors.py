@@ -24,6 +24,7 @@ __all__ = [
     "ProducerSlotBusyError",
     "SequenceError",
     "LogFormatError",
+    "LogLimitError",
     "ConfigError",
     "IntegrationError",
 ]
@@ -107,3 +108,8 @@ class LogFormatError(HiCacheError, ValueError):
 
 class IntegrationError(HiCacheError, TypeError):
     """An engine's controller cannot be instrumented: the message names what is missing."""
+
+
+class LogLimitError(LogFormatError):
+    """A log asks a reader for more than its documented limits (pools, total capacity):
+    the message names the value and the limit."""

@@ -63,7 +63,7 @@ def audit_report(res: Any) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     # folded block by block as it is read, no event kept: any size of log in bounded memory
-    res = read_log(args.logs, audit=True, keep_events=False)
+    res = read_log(args.logs, audit=True, keep_events=False, states=False)
     report = audit_report(res)
     for t in report["torn_lines"]:
         where = escape_text(t["file"], markup=False)

@@ -9,14 +9,23 @@ Rules (each finding names op, pool, role, stream and what was wrong):
   transfer's stream: an ``IndicesMoved`` with that ``stream``);
 - ``length_mismatch``: a pool's host and device index tensors differ in length;
 - ``slot_not_allocated``: a transfer names a slot that is not allocated, or slots are
-  freed while a submitted transfer still uses them (use after free, out of range);
+  freed while a submitted transfer still uses them (use after free, out of range; at
+  any size of free; one finding per op and pool tier, at the first free that takes
+  its slots);
 - ``double_free``: slots freed that were already free;
 - ``incomplete_operation``: an op submitted but never completed or failed, at log end.
 
 Live: ``Auditor().attach(log)`` subscribes and appends an ``AuditViolation``
 event per finding. Offline: feed events with :meth:`Auditor.feed`, then
 :meth:`Auditor.finish`. Both produce the same findings for the same log.
-The per-event cost is one dict lookup for events no rule looks at.
+The per-event cost is one dict lookup for events no rule looks at. No event costs
+more than O(log n) besides the slots it names: the slots of the ops in flight are
+indexed (:class:`_InUse`) once there are more than a few of them, so a free is checked
+against all of them without a scan.
+
+An auditor of a log read back (``Auditor(limits=PoolLimits())``, what :func:`audit` and
+``replay(..., audit=True)`` use) holds the log's pools to
+:class:`~hicache_obs.events.state.PoolLimits`.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from .._compiled import runs_of as _runs_of
 from .schema import (
     EVENT_TYPES,
     AuditViolation,
@@ -40,12 +50,9 @@ from .schema import (
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
-    expand_runs,
-    runs_from_list,
-    runs_len,
 )
 from .state import _HANDLERS as _STATE_HANDLERS
-from .state import AllocMap, CacheState
+from .state import ALLOC, CHECK, FAST_CALL_SLOTS, FREE, AllocMap, CacheState, PoolLimits, bad_runs, first_slots, new_map
 
 _NO_PLAN = (None, None)
 _fold_slots_freed = CacheState._slots_freed
@@ -91,13 +98,18 @@ class _InFlight:
     submit_seq: int
     # (pool, role) -> device of the index tensor that still needs a record on `stream`
     needs_record: dict[tuple[str, str], str]
-    # (pool, tier) -> slots the transfer reads or writes, where their values are known
-    slots: dict[tuple[str, str], Runs] = field(default_factory=dict)
-    # the same slots as sorted run starts and the running maximum of their ends
-    spans: dict[tuple[str, str], tuple[list[int], list[int]]] = field(default_factory=dict)
+    # (pool, tier) -> the slots the transfer reads or writes, where their values are known,
+    # as :data:`Spans`; a pool tier leaves once a free took them
+    spans: dict[tuple[str, str], Spans] = field(default_factory=dict)
 
 
-def _spans(runs: Runs) -> tuple[list[int], list[int]]:
+#: Runs as two lists: their starts in order, and the running maximum of their ends.
+Spans = tuple[list[int], list[int]]
+
+
+def _spans(runs: Runs) -> Spans:
+    """The slots of ``runs`` as their starts in order and the running maximum of their ends
+    (empty runs dropped): enough to tell by bisection whether a run meets them."""
     if len(runs) == 1:  # the usual index tensor: one contiguous run
         s, n = runs[0]
         return ([s], [s + n]) if n > 0 else ([], [])
@@ -105,8 +117,21 @@ def _spans(runs: Runs) -> tuple[list[int], list[int]]:
     return [s for s, _ in ordered], list(accumulate((s + n for s, n in ordered), max))
 
 
-def _overlaps(spans: tuple[list[int], list[int]], runs: Runs) -> bool:
-    """Whether any slot of ``runs`` lies in the runs that ``spans`` describes."""
+def _disjoint(spans: Spans) -> Spans:
+    """``spans`` as disjoint intervals ``[start, end)`` in order (overlapping runs joined)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for s, e in zip(*spans):
+        if ends and s <= ends[-1]:
+            ends[-1] = max(ends[-1], e)  # running maxima: e >= ends[-1] already
+        else:
+            starts.append(s)
+            ends.append(e)
+    return starts, ends
+
+
+def _overlaps(spans: Spans, runs: Runs) -> bool:
+    """Whether any slot of ``runs`` lies in ``spans``."""
     starts, ends = spans
     for start, length in runs:
         if length > 0:
@@ -116,14 +141,151 @@ def _overlaps(spans: tuple[list[int], list[int]], runs: Runs) -> bool:
     return False
 
 
-class _RankAudit:
-    __slots__ = ("inflight", "moved", "side_moves", "state", "tables")
+def _common(a: Spans, b: Spans, k: int = 8) -> list[int]:
+    """The first ``k`` slots in both ``a`` and ``b``, in order (a sweep: no slot is expanded
+    beyond those ``k``)."""
+    (sa, ea), (sb, eb) = _disjoint(a), _disjoint(b)
+    out: list[int] = []
+    i = j = 0
+    while i < len(sa) and j < len(sb) and len(out) < k:
+        lo, hi = max(sa[i], sb[j]), min(ea[i], eb[j])
+        if lo < hi:
+            out.extend(range(lo, min(hi, lo + k - len(out))))
+        if ea[i] <= eb[j]:
+            i += 1
+        else:
+            j += 1
+    return out
 
-    def __init__(self, fold_state: bool) -> None:
+
+class _InUse:
+    """The ops in flight that use slots of one pool tier, and which of them a free takes.
+
+    Up to ``SCAN`` ops are checked one by one (bisection in each op's intervals: the usual
+    case, a handful in flight). Beyond that the intervals are also kept in a tree over
+    slot numbers (a max-end segment tree keyed by interval start, sparse, in dicts): a free
+    finds the ops it overlaps in O((k + 1) log C), k the ops found, which leave it (one
+    finding each). Dropped again below ``SCAN // 4`` ops.
+    """
+
+    SCAN = 32
+    _BITS = 32  # slot numbers the tree covers: 0 .. 2**32 - 1 (a log's are below 2**28)
+
+    __slots__ = ("ops", "_mx", "_at", "_far")
+
+    def __init__(self) -> None:
+        self.ops: dict[int, Spans] = {}  # in submission order
+        self._mx: dict[int, int] | None = None  # node -> largest end below it
+        self._at: dict[int, dict[int, int]] = {}  # start -> {op: end}
+        self._far: dict[int, Spans] = {}  # ops with intervals beyond the tree
+
+    def add(self, op: int, spans: Spans) -> None:
+        self.ops[op] = spans
+        if self._mx is not None:
+            self._insert(op, spans)
+        elif len(self.ops) > self.SCAN:
+            self._mx = {}
+            for o, sp in self.ops.items():
+                self._insert(o, sp)
+
+    def remove(self, op: int) -> None:
+        spans = self.ops.pop(op, None)
+        if spans is None:
+            return
+        if self._mx is not None:
+            if len(self.ops) < self.SCAN // 4:
+                self._mx, self._at, self._far = None, {}, {}
+            else:
+                self._delete(op, spans)
+
+    def hits(self, freeing: Runs) -> list[int]:
+        """The ops whose slots ``freeing`` overlaps, in submission order."""
+        if self._mx is None:
+            return [op for op, sp in self.ops.items() if _overlaps(sp, freeing)]
+        found: set[int] = set()
+        for start, length in freeing:
+            if length > 0:
+                self._query(start, start + length, found)
+        for op, sp in self._far.items():
+            if op not in found and _overlaps(sp, freeing):
+                found.add(op)
+        if not found:
+            return []
+        return [op for op in self.ops if op in found] if len(found) > 1 else list(found)
+
+    # the tree: leaves at 2**_BITS + start; internal node v covers its leaves' starts
+    def _insert(self, op: int, spans: Spans) -> None:
+        mx, at, top = self._mx, self._at, 1 << self._BITS
+        assert mx is not None
+        for s, e in zip(*spans):
+            if s >= top:
+                self._far[op] = spans
+                continue
+            cell = at.get(s)
+            if cell is None:
+                cell = at[s] = {}
+            if cell.get(op, -1) >= e:
+                continue
+            cell[op] = e
+            v = top + s
+            while v and mx.get(v, -1) < e:
+                mx[v] = e
+                v >>= 1
+
+    def _delete(self, op: int, spans: Spans) -> None:
+        mx, at, top = self._mx, self._at, 1 << self._BITS
+        assert mx is not None
+        self._far.pop(op, None)
+        for s in spans[0]:
+            cell = at.get(s)
+            if cell is None or cell.pop(op, None) is None:
+                continue
+            v = top + s
+            if cell:
+                mx[v] = max(cell.values())
+            else:
+                del at[s]
+                del mx[v]
+            v >>= 1
+            while v:
+                new = max(mx.get(2 * v, -1), mx.get(2 * v + 1, -1))
+                if mx.get(v, -1) == new:
+                    break
+                if new < 0:
+                    del mx[v]
+                else:
+                    mx[v] = new
+                v >>= 1
+
+    def _query(self, a: int, b: int, found: set[int]) -> None:
+        """Add the ops with an interval of start < ``b`` and end > ``a``."""
+        mx, top = self._mx, 1 << self._BITS
+        assert mx is not None
+        stack = [(1, 0, top)]  # node, the starts it covers: [lo, hi)
+        while stack:
+            v, lo, hi = stack.pop()
+            if lo >= b or mx.get(v, -1) <= a:
+                continue
+            if v >= top:
+                for op, e in self._at[lo].items():
+                    if e > a:
+                        found.add(op)
+                continue
+            mid = (lo + hi) >> 1
+            stack.append((2 * v + 1, mid, hi))
+            stack.append((2 * v, lo, mid))
+
+
+class _RankAudit:
+    __slots__ = ("in_use", "inflight", "moved", "side_moves", "state", "tables")
+
+    def __init__(self, fold_state: bool, limits: PoolLimits | None = None) -> None:
         # with a full CacheState the auditor's fold is also the replay's bookkeeping
-        self.state = CacheState() if fold_state else None
+        self.state = CacheState(limits=limits) if fold_state else None
         self.tables: dict[tuple[str, str], Any] = self.state.tables if self.state is not None else {}
         self.inflight: dict[int, _InFlight] = {}
+        # (pool, tier) -> the in-flight ops that use its slots
+        self.in_use: dict[tuple[str, str], _InUse] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
         # op -> (pool, role) -> stream on which a pool's copy moved those indices to the device itself
@@ -133,8 +295,15 @@ class _RankAudit:
 class Auditor:
     """Applies the audit rules to a stream of events (one or several ranks)."""
 
-    def __init__(self, emit: Callable[..., Any] | None = None, *, fold_state: bool = False) -> None:
+    def __init__(
+        self,
+        emit: Callable[..., Any] | None = None,
+        *,
+        fold_state: bool = False,
+        limits: PoolLimits | None = None,
+    ) -> None:
         self._fold = fold_state
+        self._limits = limits
         self.findings: list[Finding] = []
         self._ranks: dict[int, _RankAudit] = {}
         self._emit = emit
@@ -179,7 +348,7 @@ class Auditor:
         for ev in events:  # handle() in fold mode, inlined: most of a replay's time
             r = ranks.get(ev.rank)
             if r is None:
-                r = ranks[ev.rank] = _RankAudit(True)
+                r = ranks[ev.rank] = _RankAudit(True, self._limits)
             state = r.state
             state.last_seq = ev.seq  # type: ignore[union-attr]
             fold, rule = plan.get(type(ev), _NO_PLAN)
@@ -197,12 +366,21 @@ class Auditor:
             t = r.tables.get((ev.pool, ev.tier)) if r is not None else None  # type: ignore[attr-defined]
             if t is None:
                 return
+            ind = ev.indices  # type: ignore[attr-defined]
             if cls is SlotsAllocated:
-                t.apply_alloc(ev.indices)  # type: ignore[attr-defined]
+                if len(ind) == 1 and ind[0][1] <= FAST_CALL_SLOTS:
+                    t.apply_alloc(ind)
+                else:
+                    bad_runs(t, ALLOC, ind)
                 return
-            if r.inflight:  # type: ignore[union-attr]
+            if r.in_use:  # type: ignore[union-attr]
                 self._check_in_flight_free(ev, r)  # type: ignore[arg-type]
-            self._report_free(ev, t.apply_free(ev.indices), t)  # type: ignore[arg-type, attr-defined]
+            if len(ind) == 1 and ind[0][1] <= FAST_CALL_SLOTS:
+                bad = t.apply_free(ind)
+                if bad:
+                    self._report_free(ev, _runs_of(bad), t)  # type: ignore[arg-type]
+            else:
+                self._report_free(ev, bad_runs(t, FREE, ind), t)  # type: ignore[arg-type]
             return
         r = self._ranks.get(ev.rank)
         if self._fold:
@@ -278,55 +456,72 @@ class Auditor:
 
     # -------------------------------------------------------------- handlers
     def _pool_created(self, ev: PoolCreated, r: _RankAudit) -> None:
-        r.tables[(ev.pool, ev.tier)] = AllocMap(ev.capacity)
+        if self._limits is not None:
+            self._limits.admit(ev)
+        key = (ev.pool, ev.tier)
+        r.tables.pop(key, None)  # the old map's memory goes before the new one's is asked for
+        r.tables[key] = new_map(AllocMap, ev, ev.capacity)
 
     def _fold_freed(self, ev: SlotsFreed, r: _RankAudit) -> None:
-        if r.inflight:
+        if r.in_use:
             self._check_in_flight_free(ev, r)
         bad = _fold_slots_freed(r.state, ev)  # type: ignore[arg-type]  # fold mode; last_seq set by feed
         if bad:
             self._report_free(ev, bad, r.tables[(ev.pool, ev.tier)])
 
     def _check_in_flight_free(self, ev: SlotsFreed, r: _RankAudit) -> None:
-        """Slots freed while a submitted transfer still uses them: a use after free."""
+        """Slots freed while a submitted transfer still uses them: a use after free, at any
+        size of free (intervals against intervals, no slot expanded but the 8 shown)."""
         key = (ev.pool, ev.tier)
-        freeing = ev.indices
-        for f in r.inflight.values():
-            spans = f.spans.get(key)
-            if spans is not None and _overlaps(spans, freeing):
-                break
-        else:
-            return  # the usual case, told by bisection; the exact check below names the slots
-        freed: set[int] | None = None
-        for op, f in r.inflight.items():
-            runs = f.slots.get(key)
-            if runs is None:
-                continue
-            if freed is None:
-                freed = set(expand_runs(ev.indices)) if runs_len(ev.indices) <= 1 << 20 else set()
-            hit = sorted(freed.intersection(expand_runs(runs)))
-            if hit:
-                self._report(
-                    "slot_not_allocated",
-                    ev.pool,
-                    "host" if ev.tier == "host" else "device",
-                    op,
-                    ev.rank,
-                    f"{ev.tier} slots {hit[:8]} of pool {ev.pool!r} were freed ({ev.reason}) while "
-                    f"{f.direction} op {op} on stream {f.stream!r} still uses them (use after free)",
-                    stream=f.stream,
-                    direction=f.direction,
-                    seq=ev.seq,
-                )
-
-    def _report_free(self, ev: SlotsFreed, bad: list[int], t: AllocMap) -> None:
-        if bad:
-            out = [b for b in bad if not 0 <= b < t.capacity]
-            rule_detail = (
-                f"slots {out[:8]} freed out of range 0..{t.capacity - 1}"
-                if out
-                else f"slots {runs_from_list(sorted(bad))[:8]} freed while already free ({ev.reason})"
+        use = r.in_use.get(key)
+        if use is None:
+            return
+        hits = use.hits(ev.indices)
+        if not hits:
+            return  # the usual case
+        freed = _spans(ev.indices)
+        for op in hits:
+            f = r.inflight[op]
+            hit = _common(freed, f.spans.pop(key))
+            use.remove(op)
+            self._report(
+                "slot_not_allocated",
+                ev.pool,
+                "host" if ev.tier == "host" else "device",
+                op,
+                ev.rank,
+                f"{ev.tier} slots {hit} of pool {ev.pool!r} were freed ({ev.reason}) while "
+                f"{f.direction} op {op} on stream {f.stream!r} still uses them (use after free)",
+                stream=f.stream,
+                direction=f.direction,
+                seq=ev.seq,
             )
+        if not use.ops:
+            del r.in_use[key]
+
+    def _leaves(self, op: int, f: _InFlight, r: _RankAudit) -> None:
+        """``op`` is no longer in flight: its slots leave the index."""
+        for key in f.spans:
+            use = r.in_use.get(key)
+            if use is not None:
+                use.remove(op)
+                if not use.ops:
+                    del r.in_use[key]
+
+    def _report_free(self, ev: SlotsFreed, bad: Runs, t: AllocMap) -> None:
+        if bad:
+            cap = t.capacity
+            outside = []  # the parts of the reported runs below 0 or at or above the capacity
+            for s, n in bad:
+                if s < 0:
+                    outside.append((s, min(n, -s)))
+                if s + n > cap:
+                    outside.append((max(s, cap), s + n - max(s, cap)))
+            out = first_slots(tuple(outside))
+            if out:
+                rule_detail = f"slots {out} freed out of range 0..{cap - 1}"
+            else:
+                rule_detail = f"slots {tuple(_merged_runs(bad, 8))} freed while already free ({ev.reason})"
             self._report(
                 "double_free",
                 ev.pool,
@@ -376,7 +571,7 @@ class Auditor:
                 used[(t.pool, tier)] = values
                 table = r.tables.get((t.pool, tier))
                 if table is not None:
-                    bad = table.unallocated(values)
+                    bad = first_slots(bad_runs(table, CHECK, values, 8))
                     if bad:
                         self._report(
                             "slot_not_allocated",
@@ -384,7 +579,7 @@ class Auditor:
                             t.role,
                             ev.op,
                             ev.rank,
-                            f"{ev.direction} op {ev.op} uses {tier} slots {bad[:8]} of pool {t.pool!r} "
+                            f"{ev.direction} op {ev.op} uses {tier} slots {bad} of pool {t.pool!r} "
                             "that are not allocated",
                             stream=ev.stream,
                             direction=ev.direction,
@@ -404,9 +599,16 @@ class Auditor:
                     direction=ev.direction,
                     seq=ev.seq,
                 )
-        r.inflight[ev.op] = _InFlight(
-            ev.direction, ev.stream, ev.seq, needs, used, {k: _spans(v) for k, v in used.items()}
-        )
+        old = r.inflight.get(ev.op)
+        if old is not None:  # the same op submitted again while in flight: the new one counts
+            self._leaves(ev.op, old, r)
+        spans = {k: sp for k, sp in ((k, _spans(v)) for k, v in used.items()) if sp[0]}
+        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs, spans)
+        for k, sp in spans.items():
+            use = r.in_use.get(k)
+            if use is None:
+                use = r.in_use[k] = _InUse()
+            use.add(ev.op, sp)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
         f = r.inflight.get(ev.op)
@@ -417,6 +619,8 @@ class Auditor:
         f = r.inflight.pop(ev.op, None)
         if f is None:
             return
+        if f.spans:
+            self._leaves(ev.op, f, r)
         for (pool, role), device in f.needs_record.items():
             self._report(
                 "unrecorded_index",
@@ -434,12 +638,21 @@ class Auditor:
 
     def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
         # the rule that explains the failure was reported at submission
-        r.inflight.pop(ev.op, None)
+        f = r.inflight.pop(ev.op, None)
+        if f is not None and f.spans:
+            self._leaves(ev.op, f, r)
 
+
+
+def _merged_runs(runs: Runs, k: int) -> list[tuple[int, int]]:
+    """The first ``k`` runs of the slots ``runs`` names, sorted, adjacent runs joined."""
+    starts, ends = _spans(runs)
+    return [(s, e - s) for s, e in zip(starts[:k], ends[:k])]
 
 
 def audit(events: Iterable[Event]) -> list[Finding]:
-    """Audit a finished log offline; returns the findings, end-of-log rules included."""
-    a = Auditor()
+    """Audit a finished log offline; returns the findings, end-of-log rules included. The
+    log's pools are held to :class:`~hicache_obs.events.state.PoolLimits`."""
+    a = Auditor(limits=PoolLimits())
     a.feed(events)
     return a.finish()
