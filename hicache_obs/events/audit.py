@@ -161,42 +161,44 @@ def _common(a: Spans, b: Spans, k: int = 8) -> list[int]:
 class _InUse:
     """The ops in flight that use slots of one pool tier, and which of them a free takes.
 
-    Up to ``SCAN`` ops are checked one by one (bisection in each op's intervals: the usual
-    case, a handful in flight). Beyond that the intervals are also kept in a tree over
-    slot numbers (a max-end segment tree keyed by interval start, sparse, in dicts): a free
-    finds the ops it overlaps in O((k + 1) log C), k the ops found, which leave it (one
-    finding each). Dropped again below ``SCAN // 4`` ops.
+    Up to ``SCAN`` ops are checked one by one (bisection in each op's runs: the usual case,
+    a handful in flight). Beyond that their runs are also kept in a tree over slot numbers
+    (a max-end segment tree keyed by run start, sparse, in dicts, as deep as the pool's
+    slot numbers need: 15 levels for 2**15 slots, 28 at most for a log's): a free finds
+    the ops it overlaps in O((k + 1) log C), k the ops found, which leave it (one finding
+    each). The tree is dropped again below ``SCAN // 4`` ops.
     """
 
     SCAN = 32
-    _BITS = 32  # slot numbers the tree covers: 0 .. 2**32 - 1 (a log's are below 2**28)
 
-    __slots__ = ("ops", "_mx", "_at", "_far")
+    __slots__ = ("ops", "_bits", "_mx", "_at")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1) -> None:
         self.ops: dict[int, Spans] = {}  # in submission order
-        self._mx: dict[int, int] | None = None  # node -> largest end below it
+        self._bits = max(capacity - 1, 1).bit_length()  # the tree covers starts 0 .. 2**_bits - 1
+        self._mx: dict[int, int] | None = None  # node -> the largest end of a run starting below it
         self._at: dict[int, dict[int, int]] = {}  # start -> {op: end}
-        self._far: dict[int, Spans] = {}  # ops with intervals beyond the tree
 
     def add(self, op: int, spans: Spans) -> None:
         self.ops[op] = spans
         if self._mx is not None:
             self._insert(op, spans)
         elif len(self.ops) > self.SCAN:
-            self._mx = {}
-            for o, sp in self.ops.items():
-                self._insert(o, sp)
+            self._build()
+
+    def _build(self) -> None:
+        self._mx, self._at = {}, {}
+        for o, sp in self.ops.items():
+            self._insert(o, sp)
 
     def remove(self, op: int) -> None:
         spans = self.ops.pop(op, None)
-        if spans is None:
+        if spans is None or self._mx is None:
             return
-        if self._mx is not None:
-            if len(self.ops) < self.SCAN // 4:
-                self._mx, self._at, self._far = None, {}, {}
-            else:
-                self._delete(op, spans)
+        if len(self.ops) < self.SCAN // 4:
+            self._mx, self._at = None, {}
+        else:
+            self._delete(op, spans)
 
     def hits(self, freeing: Runs) -> list[int]:
         """The ops whose slots ``freeing`` overlaps, in submission order."""
@@ -206,21 +208,19 @@ class _InUse:
         for start, length in freeing:
             if length > 0:
                 self._query(start, start + length, found)
-        for op, sp in self._far.items():
-            if op not in found and _overlaps(sp, freeing):
-                found.add(op)
-        if not found:
-            return []
-        return [op for op in self.ops if op in found] if len(found) > 1 else list(found)
+        if len(found) > 1:
+            return [op for op in self.ops if op in found]
+        return list(found)
 
-    # the tree: leaves at 2**_BITS + start; internal node v covers its leaves' starts
+    # the tree: leaf 2**_bits + start; node v covers the starts of the leaves below it
     def _insert(self, op: int, spans: Spans) -> None:
-        mx, at, top = self._mx, self._at, 1 << self._BITS
+        if spans[0] and spans[0][-1] >> self._bits:  # a start beyond the tree: a deeper one
+            self._bits = spans[0][-1].bit_length()
+            self._build()
+            return
+        mx, at, top = self._mx, self._at, 1 << self._bits
         assert mx is not None
         for s, e in zip(*spans):
-            if s >= top:
-                self._far[op] = spans
-                continue
             cell = at.get(s)
             if cell is None:
                 cell = at[s] = {}
@@ -233,9 +233,8 @@ class _InUse:
                 v >>= 1
 
     def _delete(self, op: int, spans: Spans) -> None:
-        mx, at, top = self._mx, self._at, 1 << self._BITS
+        mx, at, top = self._mx, self._at, 1 << self._bits
         assert mx is not None
-        self._far.pop(op, None)
         for s in spans[0]:
             cell = at.get(s)
             if cell is None or cell.pop(op, None) is None:
@@ -258,13 +257,14 @@ class _InUse:
                 v >>= 1
 
     def _query(self, a: int, b: int, found: set[int]) -> None:
-        """Add the ops with an interval of start < ``b`` and end > ``a``."""
-        mx, top = self._mx, 1 << self._BITS
+        """Add the ops with a run of start < ``b`` and end > ``a``."""
+        mx, top = self._mx, 1 << self._bits
         assert mx is not None
+        get = mx.get
         stack = [(1, 0, top)]  # node, the starts it covers: [lo, hi)
         while stack:
             v, lo, hi = stack.pop()
-            if lo >= b or mx.get(v, -1) <= a:
+            if lo >= b or get(v, -1) <= a:
                 continue
             if v >= top:
                 for op, e in self._at[lo].items():
@@ -607,7 +607,8 @@ class Auditor:
         for k, sp in spans.items():
             use = r.in_use.get(k)
             if use is None:
-                use = r.in_use[k] = _InUse()
+                table = r.tables.get(k)
+                use = r.in_use[k] = _InUse(table.capacity if table is not None else 1)
             use.add(ev.op, sp)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
@@ -646,7 +647,7 @@ class Auditor:
 
 def _merged_runs(runs: Runs, k: int) -> list[tuple[int, int]]:
     """The first ``k`` runs of the slots ``runs`` names, sorted, adjacent runs joined."""
-    starts, ends = _spans(runs)
+    starts, ends = _disjoint(_spans(runs))
     return [(s, e - s) for s, e in zip(starts[:k], ends[:k])]
 
 

@@ -128,8 +128,12 @@ def bad_runs(table: Any, kind: str, runs: Any, limit: int = 0) -> Runs:
             while start < end:
                 part = (start, min(MAP_CALL_SLOTS, end - start))
                 got = _part(table, probe, mirror, kind, part)
-                out.extend(got)
-                found += sum(k for _, k in got)
+                for r in got:
+                    if out and out[-1][0] + out[-1][1] == r[0]:  # parts of one run: joined again
+                        out[-1] = (out[-1][0], out[-1][1] + r[1])
+                    else:
+                        out.append(r)
+                    found += r[1]
                 start += part[1]
                 if limit and found >= limit:
                     return tuple(out)
