@@ -99,7 +99,11 @@ def bad_runs(table: Any, kind: str, runs: Any, limit: int = 0) -> Runs:
     smaller kind, and a free or an allocation leaves it uniform. With ``limit`` (checks
     only) the parts stop once that many slots are known to be bad.
     """
-    if sum(map(abs, map(_length, runs))) + 8 * len(runs) <= FAST_CALL_SLOTS:  # the usual: one call
+    if len(runs) == 1:  # the usual: one run
+        one = abs(runs[0][1]) + 8 <= FAST_CALL_SLOTS
+    else:
+        one = sum(map(abs, map(_length, runs))) + 8 * len(runs) <= FAST_CALL_SLOTS
+    if one:  # the usual: one call
         if kind == FREE:
             bad = table.apply_free(runs)
             if table.probe is not None:
