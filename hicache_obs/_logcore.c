@@ -32,6 +32,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <time.h>
 
@@ -43,6 +44,8 @@ typedef struct {
     long long seq;       /* the next seq to hand out */
     long long published; /* events stored in the ring; sink runners read seqs below it */
     char dispatching;    /* subscribers are running (an emit from one is queued); T_BOOL is a char */
+    char closed;         /* _close() ran: emit and _publish refuse */
+    Py_ssize_t ring_size; /* the ring's length when bound: checked before every store into it */
     PyObject *rank;
     PyObject *ring;        /* list, its length a power of two */
     PyObject *events_append;
@@ -50,6 +53,7 @@ typedef struct {
     PyObject *blocking;    /* list of runners with wait_for_room() */
     PyObject *pending;     /* deque */
     PyObject *acquire, *release;
+    PyObject *closed_error; /* the exception class a closed log raises (RuntimeError if unset) */
     /* the hand-off (see the top); the long longs are read without the GIL by _wait_handoff */
     PyObject *handoff;           /* callable(start, events), or NULL */
     long long handoff_next;      /* the first seq not handed off yet */
@@ -84,6 +88,7 @@ static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
     Py_VISIT(self->handoff);
+    Py_VISIT(self->closed_error);
     return 0;
 }
 
@@ -98,6 +103,8 @@ static int core_clear(LogCore *self) {
     Py_CLEAR(self->acquire);
     STORE(self->handoff_on, 0);
     Py_CLEAR(self->handoff);
+    Py_CLEAR(self->closed_error);
+    self->ring_size = 0;
     return 0;
 }
 
@@ -108,11 +115,21 @@ static void core_dealloc(LogCore *self) {
 }
 
 static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", NULL};
-    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO:_bind", kwlist, &PyList_Type, &ring, &events,
-                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock))
+    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", "closed_error", NULL};
+    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock, *closed_error = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO|O:_bind", kwlist, &PyList_Type, &ring, &events,
+                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock,
+                                     &closed_error))
         return NULL;
+    if (closed_error && !(PyType_Check(closed_error) && PyType_IsSubtype((PyTypeObject *)closed_error,
+                                                                        (PyTypeObject *)PyExc_Exception))) {
+        PyErr_Format(PyExc_TypeError, "_bind(): closed_error must be an Exception class, got %R", closed_error);
+        return NULL;
+    }
+    if (self->dispatching || self->handoff_busy) {
+        PyErr_SetString(PyExc_RuntimeError, "_bind() while the log delivers events");
+        return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(ring);
     if (n < 1 || (n & (n - 1))) {
         PyErr_Format(PyExc_ValueError, "the ring's length must be a power of two, got %zd", n);
@@ -131,6 +148,9 @@ static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->release, release);
     Py_INCREF(ring);
     Py_XSETREF(self->ring, ring);
+    self->ring_size = n;
+    Py_XINCREF(closed_error);
+    Py_XSETREF(self->closed_error, closed_error);
     Py_INCREF(subscribers);
     Py_XSETREF(self->subscribers, subscribers);
     Py_INCREF(blocking);
@@ -203,18 +223,65 @@ static int unlock(LogCore *self) {
     return t ? -1 : 0;
 }
 
+/* 0 when the ring still has the length it was bound with (its mask is what every store
+ * and read of it uses); else -1 with a RuntimeError. Python code can clear or grow the
+ * list (log._ring.clear()): it is looked at before every store into it. */
+static int ring_ok(LogCore *self) {
+    if (self->ring && PyList_GET_SIZE(self->ring) == self->ring_size && self->ring_size > 0)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "the log's ring was resized: %zd slots, bound with %zd; the event is not stored",
+                 self->ring ? PyList_GET_SIZE(self->ring) : (Py_ssize_t)0, self->ring_size);
+    return -1;
+}
+
+/* -1 with the log's closed error set when _close() ran. */
+static int refuse_closed(LogCore *self, PyObject *what) {
+    if (!self->closed)
+        return 0;
+    PyObject *exc = self->closed_error ? self->closed_error : PyExc_RuntimeError;
+    PyObject *name = what ? PyObject_GetAttr(what, str_name) : NULL;
+    if (!name) {
+        PyErr_Clear();
+        name = what ? PyObject_Repr(what) : PyUnicode_FromString("an event");
+    }
+    if (name)
+        PyErr_Format(exc, "%U on a closed EventLog: the log is closed, the event is not appended (no seq spent)",
+                     name);
+    Py_XDECREF(name);
+    return -1;
+}
+
+/* The first BaseException (KeyboardInterrupt, SystemExit, or a failing
+ * _subscriber_failed) met while delivering: kept in *held, later ones dropped. Delivery
+ * goes on, so every subscriber still sees every event in log order; the publish that
+ * started the delivery raises it once the queue is drained. */
+static void hold_error(PyObject **held) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb && v)
+        PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    if (*held || !v)
+        Py_XDECREF(v);
+    else
+        *held = v;
+}
+
 /* Hand one event to every subscriber, in order. A subscriber that raises an Exception is
  * reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; anything
- * else (KeyboardInterrupt) goes up: -1. */
-static int deliver(LogCore *self, PyObject *ev) {
+ * else (KeyboardInterrupt) is held in *held (see hold_error) and the rest still run. */
+static void deliver(LogCore *self, PyObject *ev, PyObject **held) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->subscribers); i++) {
         PyObject *fn = PyList_GET_ITEM(self->subscribers, i);
         Py_INCREF(fn);
         PyObject *r = PyObject_CallOneArg(fn, ev);
         if (!r) {
             if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                hold_error(held);
                 Py_DECREF(fn);
-                return -1;
+                continue;
             }
             PyObject *t, *v, *tb;
             PyErr_Fetch(&t, &v, &tb);
@@ -226,14 +293,14 @@ static int deliver(LogCore *self, PyObject *ev) {
             Py_XDECREF(v);
             Py_XDECREF(tb);
             if (!r) {
+                hold_error(held);
                 Py_DECREF(fn);
-                return -1;
+                continue;
             }
         }
         Py_DECREF(r);
         Py_DECREF(fn);
     }
-    return 0;
 }
 
 /* Hand the events [handoff_next, published) to the hand-off callable, as
@@ -247,7 +314,9 @@ static int handoff_run(LogCore *self) {
     long long start = self->handoff_next, end = self->published;
     if (end <= start)
         return 0;
-    Py_ssize_t size = PyList_GET_SIZE(self->ring);
+    if (ring_ok(self) < 0)
+        return -1;
+    Py_ssize_t size = self->ring_size;
     if (end - start > size)
         start = end - size;
     PyObject *batch = PyList_New((Py_ssize_t)(end - start));
@@ -297,8 +366,9 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
             return -1;
         Py_DECREF(r);
     }
-    Py_ssize_t size = PyList_GET_SIZE(self->ring);
-    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(size - 1));
+    if (ring_ok(self) < 0) /* wait_for_room runs Python code */
+        return -1;
+    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(self->ring_size - 1));
     PyObject *old = PyList_GET_ITEM(self->ring, slot);
     Py_INCREF(ev);
     PyList_SET_ITEM(self->ring, slot, ev);
@@ -313,8 +383,10 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
         return 0;
     }
     self->dispatching = 1;
-    int rc = deliver(self, ev);
-    while (rc == 0) { /* what subscribers emitted, in log order, after the current event */
+    PyObject *held = NULL; /* a KeyboardInterrupt from a subscriber: raised once all is delivered */
+    int rc = 0;
+    deliver(self, ev, &held);
+    for (;;) { /* what subscribers emitted, in log order, after the current event */
         Py_ssize_t waiting = PyObject_Size(self->pending);
         if (waiting <= 0) {
             rc = waiting < 0 ? -1 : 0;
@@ -325,10 +397,16 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
             rc = -1;
             break;
         }
-        rc = deliver(self, next);
+        deliver(self, next, &held);
         Py_DECREF(next);
     }
     self->dispatching = 0;
+    if (held) {
+        if (rc == 0)
+            PyErr_SetObject((PyObject *)Py_TYPE(held), held);
+        Py_DECREF(held);
+        rc = -1;
+    }
     if (rc == 0 && self->handoff && !self->handoff_busy) {
         long long waiting = self->published - self->handoff_next;
         if (waiting >= self->handoff_batch ||
@@ -344,16 +422,53 @@ static PyObject *core_publish(LogCore *self, PyObject *ev) {
         PyErr_SetString(PyExc_RuntimeError, "append() on an EventLog whose __init__ did not run");
         return NULL;
     }
+    if (refuse_closed(self, (PyObject *)Py_TYPE(ev)) < 0)
+        return NULL;
     PyObject *seq_obj = PyObject_GetAttr(ev, str_seq);
     if (!seq_obj)
         return NULL;
-    long long seq = PyLong_AsLongLong(seq_obj);
+    int overflow = 0;
+    long long seq = PyLong_Check(seq_obj) ? PyLong_AsLongLongAndOverflow(seq_obj, &overflow) : -1;
+    if (seq == -1 && PyErr_Occurred()) {
+        Py_DECREF(seq_obj);
+        return NULL;
+    }
+    /* only the seq the caller just spent, not yet stored: anything else would move
+     * `published` past events that do not exist, or store one twice */
+    if (overflow || seq != self->seq - 1 || seq < self->published) {
+        PyErr_Format(PyExc_ValueError,
+                     "_publish(): the event's seq must be the one just spent (%lld, %lld published), got %R",
+                     self->seq - 1, self->published, seq_obj);
+        Py_DECREF(seq_obj);
+        return NULL;
+    }
     Py_DECREF(seq_obj);
-    if (seq == -1 && PyErr_Occurred())
+    if (ring_ok(self) < 0)
         return NULL;
     if (publish(self, ev, seq) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* 0 when the built event carries the seq it was given (an int), else -1 with a TypeError:
+ * a class that returns None, or an object without the header, is no event of this log. */
+static int stamped(PyObject *ev, long long seq) {
+    PyObject *got = PyObject_GetAttr(ev, str_seq);
+    if (got && PyLong_CheckExact(got)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(got, &overflow);
+        if (v == seq && !overflow) {
+            Py_DECREF(got);
+            return 0;
+        }
+    }
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError,
+                 "emit(): the event class returned %.100s whose seq is %R, not the seq %lld it was given; "
+                 "it is not appended (no seq spent)",
+                 Py_TYPE(ev)->tp_name, got ? got : Py_None, seq);
+    Py_XDECREF(got);
+    return -1;
 }
 
 static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -389,7 +504,16 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
         goto out;
     Py_DECREF(r);
 
+    if (refuse_closed(self, cls) < 0 || ring_ok(self) < 0) {
+        unlock(self);
+        goto out;
+    }
     long long seq = self->seq;
+    if (seq < 0 || seq == LLONG_MAX) { /* _seq is checked when set; this is the end of the seq space */
+        PyErr_Format(PyExc_OverflowError, "emit(): the log's seq space is spent (next seq %lld)", seq);
+        unlock(self);
+        goto out;
+    }
     struct timespec now;
     clock_gettime(CLOCK_REALTIME, &now);
     seq_obj = PyLong_FromLongLong(seq);
@@ -412,6 +536,11 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
                      "emit(): building the event took seq %lld for another event (the event class emitted one); "
                      "this event is not appended",
                      seq);
+        unlock(self);
+        goto out;
+    }
+    if (stamped(ev, seq) < 0) { /* a class that returned a non-event, or ignored the seq: nothing spent */
+        Py_CLEAR(ev);
         unlock(self);
         goto out;
     }
@@ -542,7 +671,15 @@ static PyObject *core_wait_handoff(LogCore *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
+/* _close(): from now on emit and _publish raise the log's closed error (irreversible). */
+static PyObject *core_close(LogCore *self, PyObject *Py_UNUSED(arg)) {
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
+    {"_close", (PyCFunction)core_close, METH_NOARGS,
+     "Refuse every later emit and _publish with the log's closed error (the caller holds the lock)."},
     {"_set_handoff", (PyCFunction)core_set_handoff, METH_VARARGS,
      "_set_handoff(fn, next, batch, interval): hand events from seq next on to fn(start, events)."},
     {"_handoff_now", (PyCFunction)core_handoff_now, METH_NOARGS,
@@ -558,11 +695,56 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* _seq and published are set from Python (EventLog.__init__, EventLog.append): a value
+ * the C side cannot live with (a negative seq, one at the end of the seq space, events
+ * published that were never spent) is refused here, not met later. */
+static int set_counter(PyObject *value, const char *what, long long lo, long long hi, long long *out) {
+    if (!value) {
+        PyErr_Format(PyExc_AttributeError, "%s cannot be deleted", what);
+        return -1;
+    }
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, got %.100s", what, Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s must be in %lld..%lld, got %R", what, lo, hi, value);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static PyObject *core_get_seq(LogCore *self, void *Py_UNUSED(c)) { return PyLong_FromLongLong(self->seq); }
+static int core_set_seq(LogCore *self, PyObject *value, void *Py_UNUSED(c)) {
+    /* never below what is published (those seqs are taken), never LLONG_MAX (seq + 1 must exist) */
+    return set_counter(value, "_seq", self->published, LLONG_MAX - 1, &self->seq);
+}
+static PyObject *core_get_published(LogCore *self, void *Py_UNUSED(c)) {
+    return PyLong_FromLongLong(self->published);
+}
+static int core_set_published(LogCore *self, PyObject *value, void *Py_UNUSED(c)) {
+    long long v;
+    if (set_counter(value, "published", 0, self->seq, &v) < 0)
+        return -1;
+    STORE(self->published, v);
+    return 0;
+}
+
+static PyGetSetDef core_getset[] = {
+    {"_seq", (getter)core_get_seq, (setter)core_set_seq, "the next seq to hand out", NULL},
+    {"published", (getter)core_get_published, (setter)core_set_published,
+     "events stored in the ring; sink runners read seqs below it", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef core_members[] = {
-    {"_seq", T_LONGLONG, offsetof(LogCore, seq), 0, "the next seq to hand out"},
-    {"published", T_LONGLONG, offsetof(LogCore, published), 0,
-     "events stored in the ring; sink runners read seqs below it"},
-    {"_dispatching", T_BOOL, offsetof(LogCore, dispatching), 0, "subscribers are running"},
+    {"_dispatching", T_BOOL, offsetof(LogCore, dispatching), READONLY, "subscribers are running"},
+    {"_closed", T_BOOL, offsetof(LogCore, closed), READONLY, "_close() ran: emit and append refuse"},
     {"rank", T_OBJECT, offsetof(LogCore, rank), 0, "the rank stamped on every event"},
     {"_handoff_next", T_LONGLONG, offsetof(LogCore, handoff_next), READONLY, "the first seq not handed off yet"},
     {NULL, 0, 0, 0, NULL},
@@ -579,6 +761,7 @@ static PyTypeObject LogCoreType = {
     .tp_clear = (inquiry)core_clear,
     .tp_methods = core_methods,
     .tp_members = core_members,
+    .tp_getset = core_getset,
 };
 
 /* gap_free_run(events): (rank, first seq) when the list's events are one rank's seqs

@@ -21,6 +21,7 @@ __all__ = [
     "IndexNotOnDeviceError",
     "RuntimeUnavailableError",
     "ControllerClosedError",
+    "LogClosedError",
     "ProducerSlotBusyError",
     "SequenceError",
     "LogFormatError",
@@ -87,6 +88,10 @@ class RuntimeUnavailableError(HiCacheError, RuntimeError):
 
 class ControllerClosedError(HiCacheError, RuntimeError):
     """An operation was called on a closed controller."""
+
+
+class LogClosedError(HiCacheError, RuntimeError):
+    """An event was emitted or appended to a closed event log (it is not appended)."""
 
 
 class ProducerSlotBusyError(HiCacheError, RuntimeError):

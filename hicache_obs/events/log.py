@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .._compiled import LogCore  # a ConfigError here if it is not built
-from ..errors import ConfigError, SequenceError
+from ..errors import ConfigError, LogClosedError, SequenceError
 from .schema import Event
 
 __all__ = ["EventLog", "Subscriber"]
@@ -73,9 +73,7 @@ class EventLog(LogCore):
         self._feeders: list[Any] = []
         self._feeder_cadence = (256, 0.05)
         self._lock = threading.RLock()
-        self._dispatching = False
         self._pending: deque[Event] = deque()
-        self._closed = False
         self._bind(
             ring=self._ring,
             events=self._events,
@@ -83,6 +81,7 @@ class EventLog(LogCore):
             blocking=self._blocking,
             pending=self._pending,
             lock=self._lock,
+            closed_error=LogClosedError,
         )
 
     # ------------------------------------------------------------------ write
@@ -94,6 +93,10 @@ class EventLog(LogCore):
     def append(self, event: E) -> E:
         """Append an event built elsewhere; its ``seq`` must be the next one."""
         with self._lock:
+            if self._closed:
+                raise LogClosedError(
+                    f"append({type(event).__name__} seq {event.seq}) on a closed EventLog: it is not appended"
+                )
             if event.seq != self._seq:
                 raise SequenceError(
                     f"event seq {event.seq} appended where seq {self._seq} was expected "
@@ -223,11 +226,17 @@ class EventLog(LogCore):
             runner.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Flush and stop every sink; idempotent."""
+        """Refuse every later event, then flush and stop every sink; idempotent.
+
+        Once ``close`` has the log's lock no event is appended any more: a later (or
+        concurrent) ``emit``/``append`` raises :class:`~hicache_obs.errors.LogClosedError`
+        and spends no seq, so every event in the log was offered to every sink, and each
+        sink's runner accounts for it as handled, dropped or (a sink that hung) queued.
+        """
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._close()  # compiled: emit and append refuse from here on
             runners = list(self._sinks)
         for runner in runners:
             runner.close(timeout)
