@@ -14,6 +14,11 @@ falls more than ``max_queue`` events behind it drops the oldest (policy
 exception a sink raises is counted (``dropped``, ``errors``) and logged; nothing
 raises into the controller. A batch the sink raised on counts as one error
 and as ``len(batch)`` drops.
+
+A runner's counts always add up: ``offered == handled + dropped + queued`` in any
+:meth:`SinkRunner.stats`, whatever the producer and the worker are doing (a batch
+the worker holds counts as queued until the sink returned), and after ``close``
+``queued`` is 0 unless the sink hung past the timeout.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ class SinkRunner:
         self.next = self.start_seq  # the next seq this runner hands to the sink
         self.handled = 0
         self.done = self.start_seq  # every seq below it was handed to the sink (or dropped)
+        self._inflight = 0  # events of the batch the sink holds now (taken, not yet handled or dropped)
+        # guards next, handled, dropped, done and _inflight together: stats() reads them at one instant
         self._progress = threading.Condition(threading.Lock())
         self.dropped = 0
         self.errors = 0
@@ -117,10 +124,14 @@ class SinkRunner:
         self._thread = threading.Thread(target=self._run, name=f"hicache-sink-{self.name}", daemon=True)
         self._thread.start()
 
+    def _end(self) -> int:
+        """The seq below which events are this runner's: what the log published, until close."""
+        stopped = self._stopped_at
+        return stopped if stopped is not None else self.log.published
+
     @property
     def offered(self) -> int:
-        end = self._stopped_at if self._stopped_at is not None else self.log.published
-        return end - self.start_seq
+        return self._end() - self.start_seq
 
     def lag(self) -> int:
         return self.log.published - self.next
@@ -142,8 +153,12 @@ class SinkRunner:
         log = self.log
         ring = log._ring
         mask = log._mask
+        progress = self._progress
         while True:
             pub = log.published
+            stopped = self._stopped_at  # read after published: once set, nothing beyond it is ours
+            if stopped is not None and pub > stopped:
+                pub = stopped
             nxt = self.next
             if nxt >= pub:
                 if self._stop:
@@ -152,31 +167,37 @@ class SinkRunner:
                 self._wake.clear()
                 continue
             lag = pub - nxt
-            if lag > self.max_queue:
-                lost = lag - self.max_queue
-                self._drop(lost)
-                nxt += lost
-            end = min(pub, nxt + self.batch_size)
-            batch = [ring[i & mask] for i in range(nxt, end)]
+            lost = lag - self.max_queue if lag > self.max_queue else 0
+            end = min(pub, nxt + lost + self.batch_size)
+            batch = [ring[i & mask] for i in range(nxt + lost, end)]
             # the producer may have lapped the ring while we read (any slot, not only the
             # ends): if it published far enough to reach our range, keep what is intact
-            if log.published - log.ring_size > nxt or batch[0].seq != nxt or batch[-1].seq != end - 1:
-                good = [ev for i, ev in enumerate(batch) if ev.seq == nxt + i]
-                self._drop(len(batch) - len(good))
-                batch = good
-            self.next = end
-            if batch:
-                self._handle(batch)
-            with self._progress:
-                self.done = end
-                self._progress.notify_all()
+            first = nxt + lost
+            if log.published - log.ring_size > first or batch[0].seq != first or batch[-1].seq != end - 1:
+                batch = [ev for i, ev in enumerate(batch) if getattr(ev, "seq", None) == first + i]
+            with progress:
+                if self.next != nxt:  # close() took the rest meanwhile (counted there)
+                    continue
+                self._drop(end - nxt - len(batch))
+                self.next = end
+                self._inflight = len(batch)
+            handled = self._handle(batch) if batch else True
+            with progress:
+                if handled:
+                    self.handled += len(batch)
+                else:
+                    self.dropped += len(batch)
+                self._inflight = 0
+                self.done = max(self.done, end)
+                progress.notify_all()
 
     def _drop(self, n: int) -> None:
         self.dropped += n
         if n and (self.dropped == n or self.dropped // 10_000 != (self.dropped - n) // 10_000):
             _log.warning("sink %s fell behind: %d events dropped so far", self.name, self.dropped)
 
-    def _handle(self, batch: list[Event]) -> None:
+    def _handle(self, batch: list[Event]) -> bool:
+        """Hand a batch to the sink; False when it raised (the caller counts the batch dropped)."""
         try:
             if self._batch is not None:
                 self._batch(batch)
@@ -184,12 +205,12 @@ class SinkRunner:
                 handle = self.sink.handle
                 for ev in batch:
                     handle(ev)
-            self.handled += len(batch)
+            return True
         except Exception:
             # the batch did not reach the sink: an error and, for each event, a drop
             self.errors += 1
-            self.dropped += len(batch)
             _log.exception("sink %s failed on a batch of %d events", self.name, len(batch))
+            return False
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until the sink handled every event published so far, then flush it; False on timeout."""
@@ -212,14 +233,16 @@ class SinkRunner:
             return
         self._closed = True
         self.flush(timeout)
-        self._stopped_at = self.log.published
+        with self._progress:
+            self._stopped_at = self.log.published
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
-        left = self._stopped_at - self.next
-        if left > 0:
-            self.dropped += left
-            self.next = self._stopped_at
+        with self._progress:  # what the worker did not take in time is lost: counted
+            left = self._stopped_at - self.next
+            if left > 0:
+                self._drop(left)
+                self.next = self._stopped_at
         self._bounded(self.sink.close, "close", None if timeout is None else time.monotonic() + timeout)
         report_losses(self)
 
@@ -250,13 +273,16 @@ class SinkRunner:
         return True
 
     def stats(self) -> dict[str, int]:
-        return {
-            "offered": self.offered,
-            "handled": self.handled,
-            "dropped": self.dropped,
-            "errors": self.errors,
-            "queued": max(0, (self._stopped_at or self.log.published) - self.next),
-        }
+        """The runner's counts at one instant: ``offered == handled + dropped + queued``."""
+        with self._progress:
+            end = self._end()
+            return {
+                "offered": end - self.start_seq,
+                "handled": self.handled,
+                "dropped": self.dropped,
+                "errors": self.errors,
+                "queued": end - self.next + self._inflight,
+            }
 
 
 def report_losses(runner: Any) -> None:
