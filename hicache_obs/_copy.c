@@ -19,6 +19,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -49,32 +50,158 @@ static inline void copy_chunk(char *d, const char *s, size_t n) {
     memcpy(d, s, n);
 }
 
+/* An int argument as a long long in lo..hi, or -1 with a ValueError/TypeError that names it. */
+static int get_ll(PyObject *obj, const char *name, long long lo, long long hi, long long *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be an int, got %.100s", name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "copy_runs(): %s must be in %lld..%lld, got %R", name, lo, hi, obj);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* One plane's geometry: its chunks must tile without overlap, either layer-major
+ * (chunk <= slot stride, slots * slot stride <= layer stride) or slot-major
+ * (chunk <= layer stride, layers * layer stride <= slot stride), and its last byte,
+ * addr + (slots - 1) * slot stride + (layers - 1) * layer stride + chunk, must not wrap
+ * the address space. *extent gets that byte count (0 for a plane of no slots). Without
+ * the tiling a chunk longer than a stride writes into the next slot, past the last one
+ * beyond the plane. */
+static int check_plane(const char *side, unsigned long long addr, long long layers, long long chunk,
+                       long long slots, long long slot, long long layer, unsigned long long *extent) {
+    long long a, b;
+    int layer_major = chunk <= slot && !__builtin_mul_overflow(slots, slot, &a) && a <= layer;
+    int slot_major = chunk <= layer && !__builtin_mul_overflow(layers, layer, &b) && b <= slot;
+    if (!layer_major && !slot_major) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_runs(): the %s plane's chunks overlap: chunk %lld B, %lld slots of stride %lld, "
+                     "%lld layers of stride %lld (a chunk must fit its stride and the slots or layers their "
+                     "outer stride)",
+                     side, chunk, slots, slot, layers, layer);
+        return -1;
+    }
+    *extent = 0;
+    if (slots == 0)
+        return 0;
+    long long x, y, e;
+    if (__builtin_mul_overflow(slots - 1, slot, &x) || __builtin_mul_overflow(layers - 1, layer, &y) ||
+        __builtin_add_overflow(x, y, &e) || __builtin_add_overflow(e, chunk, &e) ||
+        (unsigned long long)e > UINTPTR_MAX - addr) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_runs(): the %s plane at %p (%lld slots of stride %lld, %lld layers of stride %lld) "
+                     "runs past the end of the address space",
+                     side, (void *)(uintptr_t)addr, slots, slot, layers, layer);
+        return -1;
+    }
+    *extent = (unsigned long long)e;
+    return 0;
+}
+
+static int get_addr(PyObject *obj, const char *name, unsigned long long *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "copy_runs(): %s must be an address (int), got %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0) { /* above 2^63: the upper half of a 64-bit address space, if it fits */
+        unsigned long long u = PyLong_AsUnsignedLongLong(obj);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        } else if (u <= UINTPTR_MAX) {
+            *out = u;
+            return 0;
+        }
+    } else if (!overflow && v > 0 && (unsigned long long)v <= UINTPTR_MAX) {
+        *out = (unsigned long long)v;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "copy_runs(): %s must be a non-null address, got %R", name, obj);
+    return -1;
+}
+
+/* The runs as int64 (signed, 8-byte items: what array('q') and an int64 tensor's numpy view give). */
+static int runs_format_ok(const Py_buffer *v) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    return v->itemsize == 8 && f[0] && !f[1] && (f[0] == 'q' || (f[0] == 'l' && sizeof(long) == 8));
+}
+
 static PyObject *copy_runs(PyObject *self, PyObject *args) {
-    unsigned long long dst_addr, src_addr;
-    Py_buffer runs;
-    int swap;
-    long long layers, chunk, dst_slots, dst_slot, dst_layer, src_slots, src_slot, src_layer;
-    if (!PyArg_ParseTuple(args, "KKy*pLLLLLLLL", &dst_addr, &src_addr, &runs, &swap, &layers, &chunk, &dst_slots,
-                          &dst_slot, &dst_layer, &src_slots, &src_slot, &src_layer))
+    PyObject *o[12];
+    if (!PyArg_UnpackTuple(args, "copy_runs", 12, 12, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7],
+                           &o[8], &o[9], &o[10], &o[11]))
         return NULL;
+    unsigned long long dst_addr, src_addr;
+    long long layers, chunk, dst_slots, dst_slot, dst_layer, src_slots, src_slot, src_layer;
+    const long long MAX = LLONG_MAX;
+    int swap = PyObject_IsTrue(o[3]);
+    if (swap < 0 || get_addr(o[0], "dst", &dst_addr) < 0 || get_addr(o[1], "src", &src_addr) < 0 ||
+        get_ll(o[4], "layers", 1, MAX, &layers) < 0 || get_ll(o[5], "chunk", 1, MAX, &chunk) < 0 ||
+        get_ll(o[6], "dst_slots", 0, MAX, &dst_slots) < 0 || get_ll(o[7], "dst_slot_stride", 1, MAX, &dst_slot) < 0 ||
+        get_ll(o[8], "dst_layer_stride", 1, MAX, &dst_layer) < 0 ||
+        get_ll(o[9], "src_slots", 0, MAX, &src_slots) < 0 || get_ll(o[10], "src_slot_stride", 1, MAX, &src_slot) < 0 ||
+        get_ll(o[11], "src_layer_stride", 1, MAX, &src_layer) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_ValueError) && PyLong_Check(o[4]) && PyLong_Check(o[5])) {
+            /* the message the callers know, with the values */
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_Format(PyExc_ValueError, "bad geometry: layers %R, chunk %R, strides %R/%R and %R/%R: %S", o[4],
+                         o[5], o[7], o[8], o[10], o[11], v ? v : Py_None);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+        }
+        return NULL;
+    }
+    unsigned long long dst_ext, src_ext;
+    if (check_plane("dst", dst_addr, layers, chunk, dst_slots, dst_slot, dst_layer, &dst_ext) < 0 ||
+        check_plane("src", src_addr, layers, chunk, src_slots, src_slot, src_layer, &src_ext) < 0)
+        return NULL;
+    if (dst_ext && src_ext && dst_addr < src_addr + src_ext && src_addr < dst_addr + dst_ext) {
+        PyErr_Format(PyExc_ValueError, "copy_runs(): the planes overlap (dst %p + %llu B, src %p + %llu B)",
+                     (void *)(uintptr_t)dst_addr, dst_ext, (void *)(uintptr_t)src_addr, src_ext);
+        return NULL;
+    }
+    Py_buffer runs;
+    if (PyObject_GetBuffer(o[2], &runs, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (!runs_format_ok(&runs)) {
+        PyErr_Format(PyExc_TypeError, "copy_runs(): runs must be a buffer of int64 (format 'q'), got format '%s' of %zd-byte items",
+                     runs.format ? runs.format : "B", runs.itemsize);
+        PyBuffer_Release(&runs);
+        return NULL;
+    }
     if (runs.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
         PyBuffer_Release(&runs);
         return PyErr_Format(PyExc_ValueError, "runs must be int64 triples, got %zd bytes", runs.len);
     }
-    if (!dst_addr || !src_addr || layers <= 0 || chunk <= 0 || dst_slot <= 0 || src_slot <= 0 ||
-        dst_layer <= 0 || src_layer <= 0) {
-        PyBuffer_Release(&runs);
-        return PyErr_Format(PyExc_ValueError,
-                            "bad geometry: layers %lld, chunk %lld, strides %lld/%lld and %lld/%lld", layers,
-                            chunk, dst_slot, dst_layer, src_slot, src_layer);
-    }
-    const int64_t *r = (const int64_t *)runs.buf;
+    /* a private copy: the buffer's owner may change it while the loop runs without the GIL */
     Py_ssize_t n_runs = runs.len / (3 * (Py_ssize_t)sizeof(int64_t));
+    int64_t *r = PyMem_Malloc(runs.len ? (size_t)runs.len : 1);
+    if (!r) {
+        PyBuffer_Release(&runs);
+        return PyErr_NoMemory();
+    }
+    memcpy(r, runs.buf, (size_t)runs.len);
+    PyBuffer_Release(&runs);
     const int di = swap ? 1 : 0, si = swap ? 0 : 1;
     for (Py_ssize_t i = 0; i < n_runs; i++) {
         int64_t d = r[3 * i + di], s = r[3 * i + si], n = r[3 * i + 2];
         if (d < 0 || s < 0 || n <= 0 || d > dst_slots - n || s > src_slots - n) {
-            PyBuffer_Release(&runs);
+            PyMem_Free(r);
             return PyErr_Format(PyExc_ValueError,
                                 "run %zd (dst %lld, src %lld, length %lld) is outside the planes (%lld and %lld slots)",
                                 i, (long long)d, (long long)s, (long long)n, dst_slots, src_slots);
@@ -111,7 +238,7 @@ static PyObject *copy_runs(PyObject *self, PyObject *args) {
     _mm_sfence(); /* streaming stores are visible to other threads once this returns */
 #endif
     Py_END_ALLOW_THREADS;
-    PyBuffer_Release(&runs);
+    PyMem_Free(r);
     Py_RETURN_NONE;
 }
 

@@ -799,7 +799,7 @@ static PyObject *gap_free_run(PyObject *Py_UNUSED(mod), PyObject *events) {
                 Py_INCREF(first_obj);
                 same = 1;
             } else {
-                same = v >= first && v - first == i
+                same = first <= LLONG_MAX - i && v == first + i /* no overflow at the ends of 64 bits */
                            ? (rank == rank0 ? 1 : PyObject_RichCompareBool(rank, rank0, Py_EQ))
                            : 0;
             }

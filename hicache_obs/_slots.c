@@ -448,11 +448,20 @@ static PyObject *map_peek(SlotMap *self, PyObject *arg) {
         PyErr_SetString(PyExc_TypeError, "peek() needs a SlotMap that tracks pages");
         return NULL;
     }
-    long long k = PyLong_AsLongLong(arg);
+    if (!PyIndex_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "peek() takes a number of pages (int), got %.100s", Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    int overflow = 0;
+    long long k = PyLong_AsLongLongAndOverflow(arg, &overflow);
     if (k == -1 && PyErr_Occurred())
         return NULL;
-    if (k > self->n) {
-        PyErr_Format(PyExc_ValueError, "peek of %lld pages with %lld free", k, self->n);
+    if (overflow < 0 || (!overflow && k < 0)) {
+        PyErr_Format(PyExc_ValueError, "peek of %R pages: the number of pages must be >= 0", arg);
+        return NULL;
+    }
+    if (overflow > 0 || k > self->n) {
+        PyErr_Format(PyExc_ValueError, "peek of %R pages with %lld free", arg, self->n);
         return NULL;
     }
     return first_pages(self, k);
@@ -708,17 +717,30 @@ static PyObject *side_runs(PyObject *Py_UNUSED(mod), PyObject *args) {
         }
         long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(run, side));
         long long n = s == -1 && PyErr_Occurred() ? 0 : PyLong_AsLongLong(PyTuple_GET_ITEM(run, 2));
-        Py_DECREF(run);
-        if (PyErr_Occurred())
+        if (PyErr_Occurred()) {
+            Py_DECREF(run);
             goto fail;
+        }
+        long long e;
+        if (n <= 0 || __builtin_add_overflow(s, n, &e)) { /* a length pair_runs_of never gives */
+            PyErr_Format(n <= 0 ? PyExc_ValueError : PyExc_OverflowError, "side_runs: pair run %zd %R has %s", i,
+                         run, n <= 0 ? "a length <= 0" : "an end beyond 64 bits");
+            Py_DECREF(run);
+            goto fail;
+        }
+        Py_DECREF(run);
         if (have && s == end) {
-            end += n;
+            if (__builtin_add_overflow(end, n, &e) || e - start < 0) {
+                PyErr_Format(PyExc_OverflowError, "side_runs: joined run from %lld is longer than 64 bits", start);
+                goto fail;
+            }
+            end = e;
             continue;
         }
         if (have && append_tuple(out, Py_BuildValue("(LL)", start, end - start)) < 0)
             goto fail;
         start = s;
-        end = s + n;
+        end = e;
         have = 1;
     }
     if (out && have && append_tuple(out, Py_BuildValue("(LL)", start, end - start)) < 0)
