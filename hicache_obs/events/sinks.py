@@ -161,8 +161,10 @@ class SinkRunner:
                 pub = stopped
             nxt = self.next
             if nxt >= pub:
-                if self._stop:
-                    return
+                if self._stop:  # _stopped_at was set first; pub may have been read before it
+                    if stopped is not None and nxt >= stopped:
+                        return
+                    continue
                 self._wake.wait(self.interval)
                 self._wake.clear()
                 continue

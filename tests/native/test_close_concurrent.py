@@ -140,7 +140,7 @@ def test_close_while_threads_emit_loses_nothing_and_counts_add_up(
 
 def test_a_runner_closed_on_its_own_counts_what_the_producer_publishes_later(fast_switching: None) -> None:
     """``SinkRunner.close()`` while the log stays open: what comes later is not the runner's."""
-    log = EventLog(capacity=None, ring_size=1 << 12)
+    log = EventLog(capacity=None)  # the default ring: max_queue far beyond what this test emits
     sink = ListSink()
     runner = log.add_sink(sink, batch_size=32)
     stop = threading.Event()
