@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck check bench venv clean sglang sglang-clean
+.PHONY: demo test lint typecheck check bench venv clean sglang sglang-clean sanitize
 
 venv: $(STAMP)
 
@@ -93,3 +93,38 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 
 sglang-clean:
 	rm -rf $(SGLANG_DIR)
+
+# The three C extensions built with AddressSanitizer and UndefinedBehaviorSanitizer into
+# $(SANITIZE_DIR) (a copy of the package beside them; the in-place build is left alone),
+# then the tests that reach them run against that build: tests/native (hostile cases and
+# the fuzz probes, whose child interpreters inherit the sanitizers) and the C-facing tests.
+# The sanitizer runtimes are preloaded into the non-sanitized interpreter; CPython's own
+# allocations go through malloc (PYTHONMALLOC=malloc) so that an overrun of an object is
+# seen; leaks are not reported (CPython keeps objects until exit by design); any
+# UndefinedBehaviorSanitizer report stops the process. python -P: the tree in the working
+# directory is not imported, only $(SANITIZE_DIR)'s.
+SANITIZE_DIR ?= build/sanitize
+SANITIZE_CFLAGS ?= -O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+SANITIZE_TESTS ?= tests/native tests/core/test_native_copy.py tests/events/test_slot_map.py tests/events/test_log.py \
+	tests/events/test_handoff.py
+CC ?= cc
+
+sanitize: $(STAMP)
+	rm -rf $(SANITIZE_DIR)
+	mkdir -p $(SANITIZE_DIR)
+	cp -r hicache_obs $(SANITIZE_DIR)/
+	find $(SANITIZE_DIR)/hicache_obs \( -name '*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
+	inc=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["include"])') && \
+	  suffix=$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') && \
+	  for m in _copy _logcore _slots; do \
+	    $(CC) -shared -fPIC $(SANITIZE_CFLAGS) -I"$$inc" hicache_obs/$$m.c -o $(SANITIZE_DIR)/hicache_obs/$$m$$suffix || exit 1; \
+	  done
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONMALLOC=malloc \
+	  PYTHONPATH=$(SANITIZE_DIR):$(CURDIR) \
+	  $(PY) -P -c 'import sys, hicache_obs._copy as c; assert c.__file__.startswith(sys.argv[1]), c.__file__; \
+	    print("sanitized build:", c.__file__)' "$(abspath $(SANITIZE_DIR))"
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 PYTHONMALLOC=malloc \
+	  PYTHONPATH=$(SANITIZE_DIR):$(CURDIR) \
+	  $(PY) -P -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) $(PYTEST_ARGS)

@@ -667,7 +667,7 @@ static PyObject *pair_runs_of(PyObject *Py_UNUSED(mod), PyObject *args) {
     for (Py_ssize_t i = 0; out && i < n; i++) {
         if (values_get(&h, i, &hx) < 0 || values_get(&d, i, &dx) < 0)
             goto fail;
-        if (i && follows(h0 + len - 1, hx) && follows(d0 + len - 1, dx)) {
+        if (i && follows(h0 + (len - 1), hx) && follows(d0 + (len - 1), dx)) { /* the last values: no overflow */
             len++;
             continue;
         }
@@ -730,7 +730,8 @@ static PyObject *side_runs(PyObject *Py_UNUSED(mod), PyObject *args) {
         }
         Py_DECREF(run);
         if (have && s == end) {
-            if (__builtin_add_overflow(end, n, &e) || e - start < 0) {
+            long long len;
+            if (__builtin_add_overflow(end, n, &e) || __builtin_sub_overflow(e, start, &len)) {
                 PyErr_Format(PyExc_OverflowError, "side_runs: joined run from %lld is longer than 64 bits", start);
                 goto fail;
             }
