@@ -16,6 +16,14 @@
  * through memory), otherwise layer by layer. torch's strided
  * copy of the same pattern reaches about 0.55-0.65 of a contiguous copy. The GIL is
  * released while it runs.
+ *
+ * Nothing moves until every argument is checked (a ValueError/TypeError naming it):
+ * addresses non-null and below 2^64; layers, chunk and strides >= 1, slot counts >= 0;
+ * each plane's chunks tile without overlap (see check_plane) and its last byte does not
+ * wrap the address space; the two planes do not overlap; runs a C-contiguous int64
+ * buffer of triples, copied before the loop (its owner may change it meanwhile), every
+ * run inside both planes. What the caller vouches for: that the addresses hold planes
+ * of the geometry given.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

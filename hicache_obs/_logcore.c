@@ -13,7 +13,8 @@
  *   - deliver it to every subscriber in order; a subscriber that raises an Exception is
  *     reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; an
  *     event emitted while subscribers run is queued in _pending and delivered once the
- *     current one reached every subscriber.
+ *     current one reached every subscriber; a BaseException (KeyboardInterrupt) is held
+ *     until every queued event reached every subscriber, then raised (log order kept).
  *
  * The lock is released on every path out. The header's keyword names are cached per
  * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
@@ -27,6 +28,17 @@
  * while the producer is idle (or a stop fd is readable, or an out fd writable).
  *
  * gap_free_run(events) is the check a replay makes of every segment it reads (see below).
+ *
+ * What Python can change under it is checked where it is used: the ring's length (bound
+ * once, looked at before every store and hand-off), _seq and published (set only within
+ * range: no wrap at 2^63, never published beyond what was spent), _publish (only the seq
+ * just spent), the built event (it must carry the seq it was stamped with).
+ *
+ * After _close() (EventLog.close, under the lock) the sinks have their stopping point,
+ * closed_at: an event appended later is still a log event (seq, retained, delivered to the
+ * subscribers: the in-memory log and its folds stay exact) but reaches no sink, is not
+ * handed off, waits for no runner, and is counted in _after_close; the first one is
+ * reported to EventLog._appended_after_close(ev).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,7 +56,9 @@ typedef struct {
     long long seq;       /* the next seq to hand out */
     long long published; /* events stored in the ring; sink runners read seqs below it */
     char dispatching;    /* subscribers are running (an emit from one is queued); T_BOOL is a char */
-    char closed;         /* _close() ran: emit and _publish refuse */
+    char closed;         /* _close() ran: later events reach no sink (counted in after_close) */
+    long long closed_at; /* `published` when _close() ran: the sinks' stopping point */
+    long long after_close; /* events appended after _close() */
     Py_ssize_t ring_size; /* the ring's length when bound: checked before every store into it */
     PyObject *rank;
     PyObject *ring;        /* list, its length a power of two */
@@ -53,7 +67,6 @@ typedef struct {
     PyObject *blocking;    /* list of runners with wait_for_room() */
     PyObject *pending;     /* deque */
     PyObject *acquire, *release;
-    PyObject *closed_error; /* the exception class a closed log raises (RuntimeError if unset) */
     /* the hand-off (see the top); the long longs are read without the GIL by _wait_handoff */
     PyObject *handoff;           /* callable(start, events), or NULL */
     long long handoff_next;      /* the first seq not handed off yet */
@@ -76,7 +89,8 @@ static long long mono_ns(void) {
 static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts_ns", "rank") */
 static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
 static PyObject *str_seq, *str_rank;
-static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_popleft, *str_name;
+static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_popleft, *str_name,
+    *str_after_close;
 
 static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->rank);
@@ -88,7 +102,6 @@ static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
     Py_VISIT(self->handoff);
-    Py_VISIT(self->closed_error);
     return 0;
 }
 
@@ -103,7 +116,6 @@ static int core_clear(LogCore *self) {
     Py_CLEAR(self->acquire);
     STORE(self->handoff_on, 0);
     Py_CLEAR(self->handoff);
-    Py_CLEAR(self->closed_error);
     self->ring_size = 0;
     return 0;
 }
@@ -115,17 +127,11 @@ static void core_dealloc(LogCore *self) {
 }
 
 static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", "closed_error", NULL};
-    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock, *closed_error = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO|O:_bind", kwlist, &PyList_Type, &ring, &events,
-                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock,
-                                     &closed_error))
+    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", NULL};
+    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO:_bind", kwlist, &PyList_Type, &ring, &events,
+                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock))
         return NULL;
-    if (closed_error && !(PyType_Check(closed_error) && PyType_IsSubtype((PyTypeObject *)closed_error,
-                                                                        (PyTypeObject *)PyExc_Exception))) {
-        PyErr_Format(PyExc_TypeError, "_bind(): closed_error must be an Exception class, got %R", closed_error);
-        return NULL;
-    }
     if (self->dispatching || self->handoff_busy) {
         PyErr_SetString(PyExc_RuntimeError, "_bind() while the log delivers events");
         return NULL;
@@ -149,8 +155,6 @@ static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
     Py_INCREF(ring);
     Py_XSETREF(self->ring, ring);
     self->ring_size = n;
-    Py_XINCREF(closed_error);
-    Py_XSETREF(self->closed_error, closed_error);
     Py_INCREF(subscribers);
     Py_XSETREF(self->subscribers, subscribers);
     Py_INCREF(blocking);
@@ -234,23 +238,6 @@ static int ring_ok(LogCore *self) {
     return -1;
 }
 
-/* -1 with the log's closed error set when _close() ran. */
-static int refuse_closed(LogCore *self, PyObject *what) {
-    if (!self->closed)
-        return 0;
-    PyObject *exc = self->closed_error ? self->closed_error : PyExc_RuntimeError;
-    PyObject *name = what ? PyObject_GetAttr(what, str_name) : NULL;
-    if (!name) {
-        PyErr_Clear();
-        name = what ? PyObject_Repr(what) : PyUnicode_FromString("an event");
-    }
-    if (name)
-        PyErr_Format(exc, "%U on a closed EventLog: the log is closed, the event is not appended (no seq spent)",
-                     name);
-    Py_XDECREF(name);
-    return -1;
-}
-
 /* The first BaseException (KeyboardInterrupt, SystemExit, or a failing
  * _subscriber_failed) met while delivering: kept in *held, later ones dropped. Delivery
  * goes on, so every subscriber still sees every event in log order; the publish that
@@ -312,6 +299,8 @@ static int handoff_run(LogCore *self) {
     if (!self->handoff || self->handoff_busy)
         return 0;
     long long start = self->handoff_next, end = self->published;
+    if (self->closed && end > self->closed_at) /* what came after close() goes to no receiver */
+        end = self->closed_at;
     if (end <= start)
         return 0;
     if (ring_ok(self) < 0)
@@ -357,7 +346,14 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
     if (!r)
         return -1;
     Py_DECREF(r);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(self->blocking); i++) {
+    const int closed = self->closed;
+    if (closed && ++self->after_close == 1) {
+        r = PyObject_CallMethodOneArg((PyObject *)self, str_after_close, ev);
+        if (!r)
+            return -1;
+        Py_DECREF(r);
+    }
+    for (Py_ssize_t i = 0; !closed && i < PyList_GET_SIZE(self->blocking); i++) {
         PyObject *runner = PyList_GET_ITEM(self->blocking, i);
         Py_INCREF(runner);
         r = PyObject_CallMethodNoArgs(runner, str_wait_for_room);
@@ -407,7 +403,7 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
         Py_DECREF(held);
         rc = -1;
     }
-    if (rc == 0 && self->handoff && !self->handoff_busy) {
+    if (rc == 0 && self->handoff && !self->handoff_busy && !self->closed) {
         long long waiting = self->published - self->handoff_next;
         if (waiting >= self->handoff_batch ||
             (waiting > 0 && mono_ns() - self->handoff_last >= self->handoff_interval))
@@ -422,8 +418,6 @@ static PyObject *core_publish(LogCore *self, PyObject *ev) {
         PyErr_SetString(PyExc_RuntimeError, "append() on an EventLog whose __init__ did not run");
         return NULL;
     }
-    if (refuse_closed(self, (PyObject *)Py_TYPE(ev)) < 0)
-        return NULL;
     PyObject *seq_obj = PyObject_GetAttr(ev, str_seq);
     if (!seq_obj)
         return NULL;
@@ -504,7 +498,7 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
         goto out;
     Py_DECREF(r);
 
-    if (refuse_closed(self, cls) < 0 || ring_ok(self) < 0) {
+    if (ring_ok(self) < 0) {
         unlock(self);
         goto out;
     }
@@ -634,7 +628,10 @@ static PyObject *core_wait_handoff(LogCore *self, PyObject *args) {
     for (;;) {
         long long now = mono_ns();
         long long interval = LOAD(self->handoff_interval);
-        long long waiting = LOAD(self->handoff_on) ? LOAD(self->published) - LOAD(self->handoff_next) : 0;
+        long long end = LOAD(self->published);
+        if (LOAD(self->closed) && end > LOAD(self->closed_at))
+            end = LOAD(self->closed_at);
+        long long waiting = LOAD(self->handoff_on) ? end - LOAD(self->handoff_next) : 0;
         long long due = LOAD(self->handoff_last) + interval;
         if (waiting > 0 && now >= due) {
             code = 1;
@@ -671,15 +668,18 @@ static PyObject *core_wait_handoff(LogCore *self, PyObject *args) {
     return PyLong_FromLong(code);
 }
 
-/* _close(): from now on emit and _publish raise the log's closed error (irreversible). */
+/* _close(): the sinks stop at what is published now; later events reach none (see the top). */
 static PyObject *core_close(LogCore *self, PyObject *Py_UNUSED(arg)) {
-    self->closed = 1;
+    if (!self->closed) {
+        STORE(self->closed_at, self->published);
+        STORE(self->closed, 1);
+    }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef core_methods[] = {
     {"_close", (PyCFunction)core_close, METH_NOARGS,
-     "Refuse every later emit and _publish with the log's closed error (the caller holds the lock)."},
+     "Stop the sinks at what is published now: later events reach none, counted (the caller holds the lock)."},
     {"_set_handoff", (PyCFunction)core_set_handoff, METH_VARARGS,
      "_set_handoff(fn, next, batch, interval): hand events from seq next on to fn(start, events)."},
     {"_handoff_now", (PyCFunction)core_handoff_now, METH_NOARGS,
@@ -744,7 +744,9 @@ static PyGetSetDef core_getset[] = {
 
 static PyMemberDef core_members[] = {
     {"_dispatching", T_BOOL, offsetof(LogCore, dispatching), READONLY, "subscribers are running"},
-    {"_closed", T_BOOL, offsetof(LogCore, closed), READONLY, "_close() ran: emit and append refuse"},
+    {"_closed", T_BOOL, offsetof(LogCore, closed), READONLY, "_close() ran: later events reach no sink"},
+    {"_closed_at", T_LONGLONG, offsetof(LogCore, closed_at), READONLY, "published when _close() ran"},
+    {"_after_close", T_LONGLONG, offsetof(LogCore, after_close), READONLY, "events appended after _close()"},
     {"rank", T_OBJECT, offsetof(LogCore, rank), 0, "the rank stamped on every event"},
     {"_handoff_next", T_LONGLONG, offsetof(LogCore, handoff_next), READONLY, "the first seq not handed off yet"},
     {NULL, 0, 0, 0, NULL},
@@ -846,8 +848,9 @@ PyMODINIT_FUNC PyInit__logcore(void) {
     str_failed = PyUnicode_InternFromString("_subscriber_failed");
     str_popleft = PyUnicode_InternFromString("popleft");
     str_name = PyUnicode_InternFromString("__name__");
+    str_after_close = PyUnicode_InternFromString("_appended_after_close");
     if (!names_cache || !header_names || !str_append || !str_acquire || !str_release || !str_wait_for_room ||
-        !str_failed || !str_popleft || !str_name)
+        !str_failed || !str_popleft || !str_name || !str_after_close)
         return NULL;
     if (PyType_Ready(&LogCoreType) < 0)
         return NULL;

@@ -21,7 +21,6 @@ __all__ = [
     "IndexNotOnDeviceError",
     "RuntimeUnavailableError",
     "ControllerClosedError",
-    "LogClosedError",
     "ProducerSlotBusyError",
     "SequenceError",
     "LogFormatError",
@@ -88,10 +87,6 @@ class RuntimeUnavailableError(HiCacheError, RuntimeError):
 
 class ControllerClosedError(HiCacheError, RuntimeError):
     """An operation was called on a closed controller."""
-
-
-class LogClosedError(HiCacheError, RuntimeError):
-    """An event was emitted or appended to a closed event log (it is not appended)."""
 
 
 class ProducerSlotBusyError(HiCacheError, RuntimeError):

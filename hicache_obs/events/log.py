@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from .._compiled import LogCore  # a ConfigError here if it is not built
-from ..errors import ConfigError, LogClosedError, SequenceError
+from ..errors import ConfigError, SequenceError
 from .schema import Event
 
 __all__ = ["EventLog", "Subscriber"]
@@ -81,7 +81,6 @@ class EventLog(LogCore):
             blocking=self._blocking,
             pending=self._pending,
             lock=self._lock,
-            closed_error=LogClosedError,
         )
 
     # ------------------------------------------------------------------ write
@@ -93,10 +92,6 @@ class EventLog(LogCore):
     def append(self, event: E) -> E:
         """Append an event built elsewhere; its ``seq`` must be the next one."""
         with self._lock:
-            if self._closed:
-                raise LogClosedError(
-                    f"append({type(event).__name__} seq {event.seq}) on a closed EventLog: it is not appended"
-                )
             if event.seq != self._seq:
                 raise SequenceError(
                     f"event seq {event.seq} appended where seq {self._seq} was expected "
@@ -105,6 +100,24 @@ class EventLog(LogCore):
             self._seq += 1
             self._publish(event)  # what emit() does after building its event (compiled)
             return event
+
+    def _appended_after_close(self, ev: Event) -> None:
+        """The compiled store's report of the first event appended after ``close()``."""
+        _log.warning(
+            "%s seq=%d appended to the log after close(): no sink gets it (counted in dropped_after_close)",
+            type(ev).__name__,
+            ev.seq,
+        )
+
+    @property
+    def dropped_after_close(self) -> int:
+        """Events appended after ``close()``: in the log and its subscribers, in no sink."""
+        return self._after_close
+
+    @property
+    def closed_at(self) -> int | None:
+        """The seq from which no sink gets events (``close()`` ran), else None."""
+        return self._closed_at if self._closed else None
 
     def _subscriber_failed(self, fn: Subscriber, ev: Event, exc: BaseException) -> None:
         name = getattr(fn, "__qualname__", repr(fn))
@@ -226,17 +239,19 @@ class EventLog(LogCore):
             runner.flush(timeout)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Refuse every later event, then flush and stop every sink; idempotent.
+        """Flush and stop every sink at what is published now; idempotent.
 
-        Once ``close`` has the log's lock no event is appended any more: a later (or
-        concurrent) ``emit``/``append`` raises :class:`~hicache_obs.errors.LogClosedError`
-        and spends no seq, so every event in the log was offered to every sink, and each
-        sink's runner accounts for it as handled, dropped or (a sink that hung) queued.
+        Under the log's lock ``close`` fixes the sinks' stopping point (:attr:`closed_at`):
+        every event below it is offered to every sink, and each runner accounts for it as
+        handled, dropped or (a sink that hung) queued. An event a thread emits later is still
+        appended (its seq, the retained events, the subscribers: the log stays exact) but
+        reaches no sink: it is counted in :attr:`dropped_after_close`, and the first one is
+        logged.
         """
         with self._lock:
             if self._closed:
                 return
-            self._close()  # compiled: emit and append refuse from here on
+            self._close()  # compiled: the sinks' stopping point; later events are counted
             runners = list(self._sinks)
         for runner in runners:
             runner.close(timeout)

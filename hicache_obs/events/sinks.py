@@ -124,10 +124,16 @@ class SinkRunner:
         self._thread = threading.Thread(target=self._run, name=f"hicache-sink-{self.name}", daemon=True)
         self._thread.start()
 
-    def _end(self) -> int:
-        """The seq below which events are this runner's: what the log published, until close."""
+    def _limit(self) -> int | None:
+        """Where this runner stops: its own close, else its log's (events from there on are not its)."""
         stopped = self._stopped_at
-        return stopped if stopped is not None else self.log.published
+        return stopped if stopped is not None else getattr(self.log, "closed_at", None)
+
+    def _end(self) -> int:
+        """The seq below which events are this runner's: what the log published, up to the stop."""
+        pub = self.log.published  # read first: a stop set after this read lies at or above it
+        limit = self._limit()
+        return pub if limit is None or pub < limit else limit
 
     @property
     def offered(self) -> int:
@@ -155,10 +161,8 @@ class SinkRunner:
         mask = log._mask
         progress = self._progress
         while True:
-            pub = log.published
-            stopped = self._stopped_at  # read after published: once set, nothing beyond it is ours
-            if stopped is not None and pub > stopped:
-                pub = stopped
+            pub = self._end()
+            stopped = self._stopped_at
             nxt = self.next
             if nxt >= pub:
                 if self._stop:  # _stopped_at was set first; pub may have been read before it
@@ -216,7 +220,7 @@ class SinkRunner:
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until the sink handled every event published so far, then flush it; False on timeout."""
-        target = self.log.published
+        target = self._end()
         deadline = None if timeout is None else time.monotonic() + timeout
         progress = self._progress
         with progress:
@@ -236,7 +240,7 @@ class SinkRunner:
         self._closed = True
         self.flush(timeout)
         with self._progress:
-            self._stopped_at = self.log.published
+            self._stopped_at = self._end()
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
