@@ -109,6 +109,10 @@ class EventLog(LogCore):
             ev.seq,
         )
 
+    def _refuse_if_closed(self, what: str, receiver: Any) -> None:
+        if self._closed:  # its stopping point would lie behind its start
+            raise ConfigError(f"{what}({type(receiver).__name__}) on a closed EventLog: no sink gets events any more")
+
     @property
     def dropped_after_close(self) -> int:
         """Events appended after ``close()``: in the log and its subscribers, in no sink."""
@@ -149,6 +153,7 @@ class EventLog(LogCore):
         from .sinks import SinkRunner
 
         with self._lock:
+            self._refuse_if_closed("add_sink", sink)
             start = max(0, self.published - self.ring_size // 2) if backfill else self.published
             runner = SinkRunner(sink, self, start_seq=start, **runner_options)
             self._sinks.append(runner)
@@ -178,6 +183,7 @@ class EventLog(LogCore):
         if not 0 < interval <= 3600:
             raise ConfigError(f"feeder interval must be above 0 and at most 3600 seconds, got {interval}")
         with self._lock:
+            self._refuse_if_closed("attach_feeder", feeder)
             start = max(0, self.published - self.ring_size // 2) if backfill else self.published
             handoff_from = start
             if self._feeders:  # the others were handed everything below _handoff_next

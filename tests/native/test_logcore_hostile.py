@@ -207,6 +207,10 @@ def test_after_close_events_stay_in_the_log_reach_no_sink_and_are_counted() -> N
         print("state", log.next_seq, log.published, log._closed, log.closed_at, log.dropped_after_close)
         print("sink", [e.seq for e in sink.events], runner.stats())
         print("subscriber", got)
+        try:
+            log.add_sink(ListSink())
+        except ValueError as exc:
+            print(exc)
         for name in ("_dispatching", "_closed", "_closed_at", "_after_close", "_handoff_next"):
             try:
                 setattr(log, name, 0)
@@ -217,6 +221,7 @@ def test_after_close_events_stay_in_the_log_reach_no_sink_and_are_counted() -> N
     assert "state 3 3 True 1 2" in out
     assert "sink [0] {'offered': 1, 'handled': 1, 'dropped': 0, 'errors': 0, 'queued': 0}" in out
     assert "subscriber [0, 1, 2]" in out
+    assert "add_sink(ListSink) on a closed EventLog: no sink gets events any more" in out
     assert out.count("read-only") == 5
 
 
