@@ -36,9 +36,10 @@
  *
  * After _close() (EventLog.close, under the lock) the sinks have their stopping point,
  * closed_at: an event appended later is still a log event (seq, retained, delivered to the
- * subscribers: the in-memory log and its folds stay exact) but reaches no sink, is not
- * handed off, waits for no runner, and is counted in _after_close; the first one is
- * reported to EventLog._appended_after_close(ev).
+ * subscribers: the in-memory log and its folds stay exact) but is not stored in the ring
+ * (`published` stays at closed_at: a runner still reading what came before finds it
+ * intact), is not handed off, waits for no runner, and is counted in _after_close; the
+ * first one is reported to EventLog._appended_after_close(ev).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -362,15 +363,19 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
             return -1;
         Py_DECREF(r);
     }
-    if (ring_ok(self) < 0) /* wait_for_room runs Python code */
-        return -1;
-    Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(self->ring_size - 1));
-    PyObject *old = PyList_GET_ITEM(self->ring, slot);
-    Py_INCREF(ev);
-    PyList_SET_ITEM(self->ring, slot, ev);
-    Py_XDECREF(old);
-    if (self->published < seq + 1) /* never backwards, whatever ran in between */
-        STORE(self->published, seq + 1);
+    /* after close() the ring is left alone: a runner still taking what came before would
+     * find it overwritten; `published` stays at closed_at */
+    if (!closed) {
+        if (ring_ok(self) < 0) /* wait_for_room runs Python code */
+            return -1;
+        Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(self->ring_size - 1));
+        PyObject *old = PyList_GET_ITEM(self->ring, slot);
+        Py_INCREF(ev);
+        PyList_SET_ITEM(self->ring, slot, ev);
+        Py_XDECREF(old);
+        if (self->published < seq + 1) /* never backwards, whatever ran in between */
+            STORE(self->published, seq + 1);
+    }
     if (self->dispatching) {
         r = PyObject_CallMethodOneArg(self->pending, str_append, ev);
         if (!r)

@@ -251,8 +251,9 @@ class EventLog(LogCore):
         every event below it is offered to every sink, and each runner accounts for it as
         handled, dropped or (a sink that hung) queued. An event a thread emits later is still
         appended (its seq, the retained events, the subscribers: the log stays exact) but
-        reaches no sink: it is counted in :attr:`dropped_after_close`, and the first one is
-        logged.
+        reaches no sink and is not stored in the ring (``published`` stays at ``closed_at``,
+        so a runner still catching up reads intact events): it is counted in
+        :attr:`dropped_after_close`, and the first one is logged.
         """
         with self._lock:
             if self._closed:
