@@ -625,7 +625,7 @@ class MetricsServer:
         with self._counts_lock:
             out = {k: self._counts[k] for k in ("accepted", "served", "timed_out", "evicted", "busy", "too_large")}
             out["client_errors"] = self._counts["client_errors"]
-        out["open"] = len(self._conns)
+            out["open"] = len(self._conns)
         return out
 
     def start(self) -> None:
@@ -680,12 +680,17 @@ class MetricsServer:
                 return
             except OSError:  # e.g. out of descriptors: the client waits in the backlog
                 return
-            self._count("accepted")
-            if len(self._conns) >= self.max_connections:
-                self._count("evicted")
-                self._drop(sel, next(iter(self._conns)))  # the oldest, still sending its head
             sock.setblocking(False)
-            self._conns[sock] = _Conn(time.monotonic() + self.read_timeout)
+            oldest = None
+            with self._counts_lock:  # one step for stats(): accepted, evicted and open agree
+                self._counts["accepted"] += 1
+                if len(self._conns) >= self.max_connections:
+                    self._counts["evicted"] += 1
+                    oldest = next(iter(self._conns))  # the oldest, still sending its head
+                    del self._conns[oldest]
+                self._conns[sock] = _Conn(time.monotonic() + self.read_timeout)
+            if oldest is not None:
+                self._drop(sel, oldest)
             sel.register(sock, selectors.EVENT_READ)
 
     def _read(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
