@@ -141,16 +141,19 @@ def _host_values(t: torch.Tensor) -> Any:
         return plain.numpy()
 
 
+def _host_runs(t: torch.Tensor) -> Any:
+    """The runs of an index tensor's values, or None for device values a read would sync for (a GPU)."""
+    values = _host_values(t)
+    return None if values is None else runs_of(values)
+
+
 def _ref(t: torch.Tensor, pool: str, role: str) -> TensorRef:
     with torch._C.DisableTorchFunction():
         numel = t.numel()
         dtype = t.dtype
         ptr = t.data_ptr() if numel else 0
     dev = _device_name(t)
-    runs = None
-    if dev == "cpu":
-        values = _host_values(t)
-        runs = runs_of(values) if values is not None and numel else None
+    runs = _host_runs(t) if dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]
@@ -682,7 +685,7 @@ class Instrumentation:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.numel():
-                    runs = self._safely(self._runs_of_host, out)
+                    runs = self._safely(_host_runs, out)
                     if runs is not None:
                         self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                 return out
@@ -699,7 +702,7 @@ class Instrumentation:
                 # reuse its memory): the runs are taken now, from a view of that memory
                 runs = None
                 if isinstance(indices, torch.Tensor) and indices.numel():
-                    runs = self._safely(self._runs_of_host, indices)
+                    runs = self._safely(_host_runs, indices)
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
                     self._emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
@@ -711,12 +714,6 @@ class Instrumentation:
         return make
 
     # ------------------------------------------------------------- events
-    @staticmethod
-    def _runs_of_host(t: torch.Tensor) -> Any:
-        """The runs of an index tensor's values, or None for device values a read would sync for (a GPU)."""
-        values = _host_values(t)
-        return None if values is None else runs_of(values)
-
     @staticmethod
     def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:
         out: dict[tuple[str, str], torch.Tensor] = {}
