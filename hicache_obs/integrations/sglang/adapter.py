@@ -62,7 +62,12 @@ __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
 ANCHOR = "kv"
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
-_TRUE_DEVICE = torch._C.TensorBase.device.__get__  # the storage's device, whatever a subclass reports
+_TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # the storage's device, whatever a subclass reports
+# The adapter's own reads of tensors (devices, sizes, values) run with torch function
+# dispatch off: they are facts about the tensor, and a process-wide torch function mode
+# (a tracer, a debugging mode, the CPU harness's CUDA stand-in) would otherwise run in
+# Python for each of them, a few microseconds a read.
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _tls = threading.local()
 _log = logging.getLogger("hicache_obs.integrations.sglang")
 # controller -> its instrumentation, weakly both ways: the wrappers on the controller keep the
@@ -125,14 +130,16 @@ def _device_name(t: torch.Tensor) -> str:
     if t.is_cuda:
         dev = t.device
         return f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
+    if t.is_cpu:
+        return "cpu"
     return str(t.device)
 
 
 def _host_values(t: torch.Tensor) -> Any:
     """The values of an index tensor whose storage is host memory (no sync), else None."""
-    if _TRUE_DEVICE(t).type != "cpu":
+    if not _TRUE_IS_CPU(t):
         return None
-    with torch._C.DisableTorchFunction():
+    with _NO_TORCH_FUNCTION():
         if t.dtype == torch.int64 and t.dim() == 1 and not t.requires_grad and not t.is_neg():
             return t.numpy()  # a view of the same memory (strided where the tensor is)
         plain = t.detach().reshape(-1)
@@ -147,13 +154,18 @@ def _host_runs(t: torch.Tensor) -> Any:
     return None if values is None else runs_of(values)
 
 
+def _runs_if_any(t: torch.Tensor) -> Any:
+    """The runs of a host index tensor that holds any, else None (empty, or device values)."""
+    return _host_runs(t) if t.numel() else None
+
+
 def _ref(t: torch.Tensor, pool: str, role: str) -> TensorRef:
-    with torch._C.DisableTorchFunction():
+    with _NO_TORCH_FUNCTION():
         numel = t.numel()
         dtype = t.dtype
         ptr = t.data_ptr() if numel else 0
-    dev = _device_name(t)
-    runs = _host_runs(t) if dev == "cpu" and numel else None
+        dev = _device_name(t)
+        runs = _host_runs(t) if dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]
@@ -244,8 +256,10 @@ class _ConversionWatch:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = method(src, *args, **kwargs)
             if threading.get_ident() == self._thread and isinstance(out, torch.Tensor) and out is not src:
-                if _device_name(out) != _device_name(src):
-                    self.moves.append((role, _device_name(src), _device_name(out), _ref(out, self.pool, role)))
+                with _NO_TORCH_FUNCTION():
+                    before, after = _device_name(src), _device_name(out)
+                    if after != before:
+                        self.moves.append((role, before, after, _ref(out, self.pool, role)))
             return out
 
         return call
@@ -411,7 +425,7 @@ def _free_values(obj: Any) -> list[int] | None:
             for part in parts:
                 if part is None:
                     continue
-                with torch._C.DisableTorchFunction():
+                with _NO_TORCH_FUNCTION():
                     vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
                 if is_pages and page > 1:
                     out.extend(p * page + k for p in vals for k in range(page))
@@ -458,9 +472,11 @@ class Instrumentation:
 
     def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run an observation step and return what it returned; an error in it is counted
-        and logged, never raised into SGLang (then None)."""
+        and logged, never raised into SGLang (then None). It runs with torch function
+        dispatch off (``_NO_TORCH_FUNCTION``)."""
         try:
-            return fn(*args, **kwargs)
+            with _NO_TORCH_FUNCTION():
+                return fn(*args, **kwargs)
         except Exception:
             self._errors += 1
             if self._errors == 1 or self._errors % 10000 == 0:
@@ -656,12 +672,7 @@ class Instrumentation:
                 sub = getattr(_tls, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watched: dict[int, tuple[str, torch.Tensor]] = {}
-                for role, t in (("host", host_indices), ("device", device_indices)):
-                    if isinstance(t, torch.Tensor):
-                        sub.uses.setdefault((pool, role), t)
-                        if not t.is_cuda:  # only an index tensor off the device can be moved to it
-                            watched[id(t)] = (role, t)
+                watched = self._safely(self._received, sub, pool, host_indices, device_indices)
                 if not watched or self._shape.io_backend != "kernel":
                     # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
@@ -680,12 +691,25 @@ class Instrumentation:
 
         return make
 
+    @staticmethod
+    def _received(
+        sub: _Submission, pool: str, host_indices: Any, device_indices: Any
+    ) -> dict[int, tuple[str, torch.Tensor]]:
+        """A copy's index tensors, now uses of the op; those it could move to the device itself."""
+        watched: dict[int, tuple[str, torch.Tensor]] = {}
+        for role, t in (("host", host_indices), ("device", device_indices)):
+            if isinstance(t, torch.Tensor):
+                sub.uses.setdefault((pool, role), t)
+                if not t.is_cuda:  # only an index tensor off the device can be moved to it
+                    watched[id(t)] = (role, t)
+        return watched
+
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
-                if isinstance(out, torch.Tensor) and out.numel():
-                    runs = self._safely(_host_runs, out)
+                if isinstance(out, torch.Tensor):
+                    runs = self._safely(_runs_if_any, out)
                     if runs is not None:
                         self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                 return out
@@ -701,8 +725,8 @@ class Instrumentation:
                 # read before the free (the allocator may keep the tensor in its free list and
                 # reuse its memory): the runs are taken now, from a view of that memory
                 runs = None
-                if isinstance(indices, torch.Tensor) and indices.numel():
-                    runs = self._safely(_host_runs, indices)
+                if isinstance(indices, torch.Tensor):
+                    runs = self._safely(_runs_if_any, indices)
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
                     self._emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
@@ -797,9 +821,8 @@ class Instrumentation:
         )
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))
-            if hit is None:
-                with torch._C.DisableTorchFunction():
-                    key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
+            if hit is None:  # the same memory seen through another tensor object
+                key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
                 hit = by_ptr.get(key)
             if hit is None:
                 continue  # a tensor no copy of this op received

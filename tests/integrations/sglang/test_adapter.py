@@ -310,6 +310,37 @@ def test_a_failing_log_never_breaks_the_controller() -> None:
     inst.detach()
 
 
+def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
+    """The adapter's own reads of index tensors (sizes, devices, values) never run a torch
+    function mode or a subclass's ``__torch_function__``: under a process-wide mode (a tracer,
+    the harness's CUDA stand-in) each would run in Python. Only the calls SGLang makes
+    through the adapter's wrappers (its ``record_stream``, a pool's own ``.to()``) pass."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    from hicache_obs.integrations.sglang import adapter
+
+    callers: dict[str, int] = {}
+
+    class Callers(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == adapter.__file__:
+                callers[frame.f_code.co_name] = callers.get(frame.f_code.co_name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    h = _build()
+    inst = instrument(h.controller)
+    with Callers():
+        loaded = _workload(h, nodes=3)
+    assert _data_intact(h, loaded)
+    assert inst.errors == 0 and len(inst.log) > 0
+    inst.detach()
+    assert set(callers) <= {"record_stream", "call"}, callers
+    assert callers.get("record_stream", 0) > 0  # the mode did see the adapter's frames
+
+
 def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading an index tensor's values (allocations, frees, tensor descriptions) may fail
     on a tensor SGLang can use but the adapter cannot read: counted, never raised."""
