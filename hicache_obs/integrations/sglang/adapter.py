@@ -62,7 +62,7 @@ __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
 ANCHOR = "kv"
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
-_TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # the storage's device, whatever a subclass reports
+_TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # type: ignore[attr-defined]  # the storage's device, whatever a subclass reports
 # The adapter's own reads of tensors (devices, sizes, values) run with torch function
 # dispatch off: they are facts about the tensor, and a process-wide torch function mode
 # (a tracer, a debugging mode, the CPU harness's CUDA stand-in) would otherwise run in
