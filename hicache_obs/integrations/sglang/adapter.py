@@ -62,6 +62,7 @@ __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
 ANCHOR = "kv"
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+_INT64 = np.dtype(np.int64)
 _TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # type: ignore[attr-defined]  # the storage's device, whatever a subclass reports
 # The adapter's own reads of tensors (devices, sizes, values) run with torch function
 # dispatch off: they are facts about the tensor, and a process-wide torch function mode
@@ -136,16 +137,20 @@ def _device_name(t: torch.Tensor) -> str:
 
 
 def _host_values(t: torch.Tensor) -> Any:
-    """The values of an index tensor whose storage is host memory (no sync), else None."""
+    """The values of an index tensor whose storage is host memory (no sync), as a 1-D int64
+    array, else None. The usual index tensor takes one ``numpy()`` (a view of the same
+    memory, strided where the tensor is): each torch call here runs between SGLang's
+    copies, with cold caches, and costs several times what it does in a loop."""
     if not _TRUE_IS_CPU(t):
         return None
     with _NO_TORCH_FUNCTION():
-        if t.dtype == torch.int64 and t.dim() == 1 and not t.requires_grad and not t.is_neg():
-            return t.numpy()  # a view of the same memory (strided where the tensor is)
-        plain = t.detach().reshape(-1)
-        if plain.dtype != torch.int64:
-            plain = plain.to(torch.int64)
-        return plain.numpy()
+        try:
+            values = t.numpy()
+        except (RuntimeError, TypeError):  # it requires grad, or a neg or conj view
+            values = t.detach().resolve_neg().resolve_conj().numpy()
+    if values.dtype != _INT64 or values.ndim != 1:
+        values = values.reshape(-1).astype(_INT64, copy=False)
+    return values
 
 
 def _host_runs(t: torch.Tensor) -> Any:
@@ -154,17 +159,14 @@ def _host_runs(t: torch.Tensor) -> Any:
     return None if values is None else runs_of(values)
 
 
-def _runs_if_any(t: torch.Tensor) -> Any:
-    """The runs of a host index tensor that holds any, else None (empty, or device values)."""
-    return _host_runs(t) if t.numel() else None
-
-
-def _ref(t: torch.Tensor, pool: str, role: str) -> TensorRef:
+def _ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
+    """What a tensor is (``dev``: its device name, where the caller has it already)."""
     with _NO_TORCH_FUNCTION():
         numel = t.numel()
         dtype = t.dtype
         ptr = t.data_ptr() if numel else 0
-        dev = _device_name(t)
+        if dev is None:
+            dev = _device_name(t)
         runs = _host_runs(t) if dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
@@ -259,7 +261,7 @@ class _ConversionWatch:
                 with _NO_TORCH_FUNCTION():
                     before, after = _device_name(src), _device_name(out)
                     if after != before:
-                        self.moves.append((role, before, after, _ref(out, self.pool, role)))
+                        self.moves.append((role, before, after, _ref(out, self.pool, role, after)))
             return out
 
         return call
@@ -655,15 +657,19 @@ class Instrumentation:
     ) -> None:
         for key, src in before.items():
             dst = after.get(key)
-            if dst is not None and dst is not src and _device_name(dst) != _device_name(src):
+            if dst is None or dst is src:
+                continue
+            was, now = _device_name(src), _device_name(dst)
+            if now != was:
+                pool, role = key
                 self._emit(
                     IndicesMoved,
                     op=int(op.id),
-                    pool=key[0],
-                    role=key[1],
-                    src_device=_device_name(src),
-                    dst_device=_device_name(dst),
-                    tensor=_ref(dst, key[0], key[1]),
+                    pool=pool,
+                    role=role,
+                    src_device=was,
+                    dst_device=now,
+                    tensor=_ref(dst, pool, role, now),
                 )
 
     def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -704,14 +710,30 @@ class Instrumentation:
                     watched[id(t)] = (role, t)
         return watched
 
+    def _slot_runs(self, t: torch.Tensor) -> Any:
+        """The runs of a host index tensor's values; None if it is empty, on a device, or
+        cannot be read (counted and logged). One frame: allocations and frees are the
+        adapter's most frequent steps, and they run between copies, with cold caches."""
+        try:
+            with _NO_TORCH_FUNCTION():
+                values = _host_values(t)
+            return runs_of(values) if values is not None and values.size else None
+        except Exception:
+            self._errors += 1
+            if self._errors == 1 or self._errors % 10000 == 0:
+                _log.exception("hicache-obs could not read the slots of an index tensor (%d errors so far)", self._errors)
+            return None
+
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        read, emit = self._slot_runs, self._emit
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor):
-                    runs = self._safely(_runs_if_any, out)
+                    runs = read(out)
                     if runs is not None:
-                        self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                        emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -720,16 +742,16 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        read, emit = self._slot_runs, self._emit
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
                 # read before the free (the allocator may keep the tensor in its free list and
-                # reuse its memory): the runs are taken now, from a view of that memory
-                runs = None
-                if isinstance(indices, torch.Tensor):
-                    runs = self._safely(_runs_if_any, indices)
+                # reuse its memory), recorded once the free returned
+                runs = read(indices) if isinstance(indices, torch.Tensor) else None
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
-                    self._emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                    emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -794,12 +816,11 @@ class Instrumentation:
         stream_name = self._stream_name(stream)
         refs: list[TensorRef] = []
         by_id: dict[int, tuple[str, str, TensorRef]] = {}
-        by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] = {}
         for (pool, role), t in sub.uses.items():
             ref = _ref(t, pool, role)
             refs.append(ref)
             by_id[id(t)] = (pool, role, ref)
-            by_ptr[(ref.ptr, ref.numel)] = (pool, role, ref)
+        by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] | None = None  # built if a record needs it
         slots = self._slots_by_pool(op) if op is not None else ()
         for pool, role, src, dst, ref in sub.side_moves:
             self._emit(
@@ -822,6 +843,8 @@ class Instrumentation:
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))
             if hit is None:  # the same memory seen through another tensor object
+                if by_ptr is None:
+                    by_ptr = {(h[2].ptr, h[2].numel): h for h in by_id.values()}
                 key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
                 hit = by_ptr.get(key)
             if hit is None:

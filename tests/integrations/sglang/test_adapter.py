@@ -322,15 +322,17 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
     from hicache_obs.integrations.sglang import adapter
 
     callers: dict[str, int] = {}
+    seen = [0]
 
     class Callers(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            seen[0] += 1
             frame = sys._getframe(1)
             if frame.f_code.co_filename == adapter.__file__:
                 callers[frame.f_code.co_name] = callers.get(frame.f_code.co_name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    h = _build()
+    h = _build() if FIXED else _build(io_backend="direct")  # 0.5.10's kernel path refuses host Mamba indices
     inst = instrument(h.controller)
     with Callers():
         loaded = _workload(h, nodes=3)
@@ -338,7 +340,7 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
     assert inst.errors == 0 and len(inst.log) > 0
     inst.detach()
     assert set(callers) <= {"record_stream", "call"}, callers
-    assert callers.get("record_stream", 0) > 0  # the mode did see the adapter's frames
+    assert seen[0] > 100  # the mode was on, and saw SGLang's own calls
 
 
 def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
