@@ -185,50 +185,57 @@ def _pool_name(name: Any) -> str:
 
 # ------------------------------------------------------------------- the queues
 class _OpQueue(list):  # type: ignore[type-arg]
-    """A controller's write or load queue: appends are ``OperationQueued``."""
+    """A controller's write or load queue: appends are ``OperationQueued`` (``on_append(op)``)."""
 
-    def __init__(self, items: Iterable[Any], inst: Instrumentation, direction: str) -> None:
+    def __init__(self, items: Iterable[Any], on_append: Callable[[Any], None]) -> None:
         super().__init__(items)
-        self._inst = inst
-        self._direction = direction
+        self._on_append = on_append
 
     def append(self, op: Any) -> None:
         super().append(op)
-        self._inst._safely(self._inst._queued, op, self._direction)
+        self._on_append(op)
 
 
 class _AckQueue(list):  # type: ignore[type-arg]
-    """A controller's ack queue: an ack taken out is its op's completion."""
+    """A controller's ack queue: an ack taken out is its op's completion (``on_taken(ack)``);
+    ``clear()`` cancels what it held (``on_cancelled(ack)``)."""
 
-    def __init__(self, items: Iterable[Any], inst: Instrumentation, direction: str) -> None:
+    def __init__(
+        self,
+        items: Iterable[Any],
+        on_append: Callable[[Any], None],
+        on_taken: Callable[[Any], None],
+        on_cancelled: Callable[[Any], None],
+    ) -> None:
         super().__init__(items)
-        self._inst = inst
-        self._direction = direction
+        self._on_append = on_append
+        self._on_taken = on_taken
+        self._on_cancelled = on_cancelled
 
     def append(self, ack: Any) -> None:
         super().append(ack)
-        self._inst._safely(self._inst._ack_appended, ack, self._direction)
+        self._on_append(ack)
 
     def pop(self, index: Any = -1) -> Any:
         ack = super().pop(index)
-        self._inst._safely(self._inst._ack_taken, ack, self._direction)
+        self._on_taken(ack)
         return ack
 
     def __delitem__(self, key: Any) -> None:
         taken = self[key] if isinstance(key, slice) else [self[key]]
         super().__delitem__(key)
         for ack in taken:
-            self._inst._safely(self._inst._ack_taken, ack, self._direction)
+            self._on_taken(ack)
 
     def remove(self, ack: Any) -> None:
         super().remove(ack)
-        self._inst._safely(self._inst._ack_taken, ack, self._direction)
+        self._on_taken(ack)
 
     def clear(self) -> None:
         taken = list(self)
         super().clear()
         for ack in taken:
-            self._inst._safely(self._inst._ack_cancelled, ack, self._direction, "ack queue cleared (controller reset)")
+            self._on_cancelled(ack)
 
 
 # ----------------------------------------------------- conversions inside a copy
@@ -509,6 +516,25 @@ class Instrumentation:
         self.detach()
 
     # ------------------------------------------------------------- wiring
+    @classmethod
+    def attach_to(cls, controller: Any, log: EventLog, shape: _Shape) -> Instrumentation:
+        """Instrument ``controller`` (of ``shape``) into ``log``; on any failure every change
+        made so far is undone before the error propagates."""
+        inst = cls(controller, log, shape)
+        try:
+            inst._attach()
+        except BaseException:
+            for undo in reversed(inst._undo):
+                undo()
+            raise
+        return inst
+
+    def hold_record_stream_observer(self) -> None:
+        """Hold the process-wide ``record_stream`` observer until :meth:`detach`, or until
+        the controller is collected without one."""
+        _RECORDS.acquire()
+        self._finalizer = weakref.finalize(self.controller, _RECORDS.release)
+
     def _attach(self) -> None:
         c, shape = self.controller, self._shape
         for owner, attr in shape.streams.values():
@@ -529,13 +555,16 @@ class Instrumentation:
                 )
                 self._adopt_allocations(obj, name, tier, cap)
         # queues and acks
-        for attr, cls, direction in (
-            ("write_queue", _OpQueue, D2H),
-            ("load_queue", _OpQueue, H2D),
-            ("ack_write_queue", _AckQueue, D2H),
-            ("ack_load_queue", _AckQueue, H2D),
-        ):
-            self._swap_list(c, attr, cls, direction)
+        for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
+            self._swap_list(c, attr, _OpQueue(getattr(c, attr), self._guarded(self._queued, direction)))
+        for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
+            acks = _AckQueue(
+                getattr(c, attr),
+                on_append=self._guarded(self._ack_appended, direction),
+                on_taken=self._guarded(self._ack_taken, direction),
+                on_cancelled=self._guarded(self._ack_cancelled, direction, "ack queue cleared (controller reset)"),
+            )
+            self._swap_list(c, attr, acks)
         self._wrap(c, "start_writing", self._submission_wrapper(D2H))
         self._wrap(c, "start_loading", self._submission_wrapper(H2D))
         for name in shape.move:
@@ -564,9 +593,15 @@ class Instrumentation:
         if used.size:
             self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
 
-    def _swap_list(self, obj: Any, attr: str, cls: type, direction: str) -> None:
-        original = getattr(obj, attr)
-        observed = cls(original, self, direction)
+    def _guarded(self, step: Callable[..., Any], *tail: Any) -> Callable[[Any], None]:
+        """``step(item, *tail)`` as an observation step (:meth:`_safely`), for a queue's hooks."""
+
+        def hook(item: Any) -> None:
+            self._safely(step, item, *tail)
+
+        return hook
+
+    def _swap_list(self, obj: Any, attr: str, observed: list[Any]) -> None:
         setattr(obj, attr, observed)
 
         def undo() -> None:
@@ -941,16 +976,9 @@ def instrument(controller: Any, *, log: EventLog | None = None, rank: int | None
         shape = _detect(controller)
         if log is None:
             log = EventLog(rank=_rank_of(controller) if rank is None else rank)
-        inst = Instrumentation(controller, log, shape)
-        try:
-            inst._attach()
-        except BaseException:
-            for undo in reversed(inst._undo):
-                undo()
-            raise
+        inst = Instrumentation.attach_to(controller, log, shape)
         _registry[controller] = weakref.ref(inst)
-    _RECORDS.acquire()
-    inst._finalizer = weakref.finalize(controller, _RECORDS.release)
+    inst.hold_record_stream_observer()
     return inst
 
 
