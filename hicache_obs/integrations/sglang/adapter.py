@@ -57,126 +57,18 @@ from ...events.schema import (
     TransferFailed,
     TransferSubmitted,
 )
+from . import describe
+from .describe import NO_TORCH_FUNCTION, device_name, tensor_ref
+from .record_stream import RECORDS, current
 
 __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
 ANCHOR = "kv"
-_DTYPES = {torch.int64: "int64", torch.int32: "int32"}
-_INT64 = np.dtype(np.int64)
-_TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # type: ignore[attr-defined]  # the storage's device, whatever a subclass reports
-# The adapter's own reads of tensors (devices, sizes, values) run with torch function
-# dispatch off: they are facts about the tensor, and a process-wide torch function mode
-# (a tracer, a debugging mode, the CPU harness's CUDA stand-in) would otherwise run in
-# Python for each of them, a few microseconds a read.
-_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_tls = threading.local()
 _log = logging.getLogger("hicache_obs.integrations.sglang")
 # controller -> its instrumentation, weakly both ways: the wrappers on the controller keep the
 # instrumentation alive exactly as long as the controller
 _registry: weakref.WeakKeyDictionary[Any, weakref.ref[Instrumentation]] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
-
-
-# ----------------------------------------------------------- record_stream observer
-class _RecordStreamObserver:
-    """Wraps ``torch.Tensor.record_stream`` while at least one controller is instrumented."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.users = 0
-        self.original: Any = None
-        self.had_own = False
-
-    def acquire(self) -> None:
-        with self.lock:
-            if self.users == 0:
-                self.had_own = "record_stream" in torch.Tensor.__dict__
-                self.original = torch.Tensor.record_stream
-                original = self.original
-
-                def record_stream(tensor: torch.Tensor, stream: Any) -> None:
-                    if getattr(_tls, "recording", False):  # torch-function dispatch calls us again
-                        return original(tensor, stream)  # type: ignore[no-any-return]
-                    _tls.recording = True
-                    try:
-                        original(tensor, stream)  # a record that fails was not made
-                    finally:
-                        _tls.recording = False
-                    sub = getattr(_tls, "sub", None)
-                    if sub is not None:
-                        sub.recorded(tensor, stream)
-                    return None
-
-                record_stream.__doc__ = original.__doc__
-                record_stream.__wrapped__ = original  # type: ignore[attr-defined]
-                torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
-            self.users += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.users -= 1
-            if self.users == 0:
-                if self.had_own:
-                    torch.Tensor.record_stream = self.original  # type: ignore[method-assign]
-                else:
-                    del torch.Tensor.record_stream
-                self.original = None
-
-
-_RECORDS = _RecordStreamObserver()
-
-
-# ---------------------------------------------------------------- tensor facts
-def _device_name(t: torch.Tensor) -> str:
-    if t.is_cuda:
-        dev = t.device
-        return f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
-    if t.is_cpu:
-        return "cpu"
-    return str(t.device)
-
-
-def _host_values(t: torch.Tensor) -> Any:
-    """The values of an index tensor whose storage is host memory (no sync), as a 1-D int64
-    array, else None. The usual index tensor takes one ``numpy()`` (a view of the same
-    memory, strided where the tensor is): each torch call here runs between SGLang's
-    copies, with cold caches, and costs several times what it does in a loop."""
-    if not _TRUE_IS_CPU(t):
-        return None
-    with _NO_TORCH_FUNCTION():
-        try:
-            values = t.numpy()
-        except (RuntimeError, TypeError):  # it requires grad, or a neg or conj view
-            values = t.detach().resolve_neg().resolve_conj().numpy()
-    if values.dtype != _INT64 or values.ndim != 1:
-        values = values.reshape(-1).astype(_INT64, copy=False)
-    return values
-
-
-def _host_runs(t: torch.Tensor) -> Any:
-    """The runs of an index tensor's values, or None for device values a read would sync for (a GPU)."""
-    values = _host_values(t)
-    return None if values is None else runs_of(values)
-
-
-def _ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
-    """What a tensor is (``dev``: its device name, where the caller has it already)."""
-    with _NO_TORCH_FUNCTION():
-        numel = t.numel()
-        dtype = t.dtype
-        ptr = t.data_ptr() if numel else 0
-        if dev is None:
-            dev = _device_name(t)
-        runs = _host_runs(t) if dev == "cpu" and numel else None
-    return TensorRef(
-        pool=pool,
-        role=role,  # type: ignore[arg-type]
-        device=dev,
-        numel=numel,
-        dtype=_DTYPES.get(dtype) or str(dtype).removeprefix("torch."),
-        ptr=ptr,
-        indices=runs or None,
-    )
 
 
 def _pool_name(name: Any) -> str:
@@ -265,10 +157,10 @@ class _ConversionWatch:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = method(src, *args, **kwargs)
             if threading.get_ident() == self._thread and isinstance(out, torch.Tensor) and out is not src:
-                with _NO_TORCH_FUNCTION():
-                    before, after = _device_name(src), _device_name(out)
+                with NO_TORCH_FUNCTION():
+                    before, after = device_name(src), device_name(out)
                     if after != before:
-                        self.moves.append((role, before, after, _ref(out, self.pool, role, after)))
+                        self.moves.append((role, before, after, tensor_ref(out, self.pool, role, after)))
             return out
 
         return call
@@ -434,7 +326,7 @@ def _free_values(obj: Any) -> list[int] | None:
             for part in parts:
                 if part is None:
                     continue
-                with _NO_TORCH_FUNCTION():
+                with NO_TORCH_FUNCTION():
                     vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
                 if is_pages and page > 1:
                     out.extend(p * page + k for p in vals for k in range(page))
@@ -482,9 +374,9 @@ class Instrumentation:
     def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run an observation step and return what it returned; an error in it is counted
         and logged, never raised into SGLang (then None). It runs with torch function
-        dispatch off (``_NO_TORCH_FUNCTION``)."""
+        dispatch off (``NO_TORCH_FUNCTION``)."""
         try:
-            with _NO_TORCH_FUNCTION():
+            with NO_TORCH_FUNCTION():
                 return fn(*args, **kwargs)
         except Exception:
             self._errors += 1
@@ -507,7 +399,7 @@ class Instrumentation:
             self._undo.clear()
             _registry.pop(self.controller, None)
         if self._finalizer is not None and self._finalizer.detach() is not None:
-            _RECORDS.release()
+            RECORDS.release()
 
     def __enter__(self) -> Instrumentation:
         return self
@@ -532,8 +424,8 @@ class Instrumentation:
     def hold_record_stream_observer(self) -> None:
         """Hold the process-wide ``record_stream`` observer until :meth:`detach`, or until
         the controller is collected without one."""
-        _RECORDS.acquire()
-        self._finalizer = weakref.finalize(self.controller, _RECORDS.release)
+        RECORDS.acquire()
+        self._finalizer = weakref.finalize(self.controller, RECORDS.release)
 
     def _attach(self) -> None:
         c, shape = self.controller, self._shape
@@ -633,20 +525,20 @@ class Instrumentation:
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def start(*args: Any, **kwargs: Any) -> Any:
-                if getattr(_tls, "sub", None) is not None:  # re-entered: one submission
+                if getattr(current, "sub", None) is not None:  # re-entered: one submission
                     return original(*args, **kwargs)
                 ops = list(getattr(self.controller, queue_attr))
                 if not ops:
                     return original(*args, **kwargs)
                 sub = _Submission(self, direction, tuple(int(op.id) for op in ops), ops)
-                _tls.sub = sub
+                current.sub = sub
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
-                    _tls.sub = None
+                    current.sub = None
                     self._safely(self._finish, sub, result=None, error=exc)
                     raise
-                _tls.sub = None
+                current.sub = None
                 self._safely(self._finish, sub, result=result, error=None)
                 return result
 
@@ -658,7 +550,7 @@ class Instrumentation:
     def _move_wrapper(self, takes_op: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def move(op: Any, *args: Any, **kwargs: Any) -> Any:
-                sub = getattr(_tls, "sub", None)
+                sub = getattr(current, "sub", None)
                 if sub is None or sub.op is not None:  # outside a submission, or an inner move
                     return original(op, *args, **kwargs)
                 if not takes_op:  # move_indices(host, device): the anchor pair of the merged op
@@ -694,7 +586,7 @@ class Instrumentation:
             dst = after.get(key)
             if dst is None or dst is src:
                 continue
-            was, now = _device_name(src), _device_name(dst)
+            was, now = device_name(src), device_name(dst)
             if now != was:
                 pool, role = key
                 self._emit(
@@ -704,13 +596,13 @@ class Instrumentation:
                     role=role,
                     src_device=was,
                     dst_device=now,
-                    tensor=_ref(dst, pool, role, now),
+                    tensor=tensor_ref(dst, pool, role, now),
                 )
 
     def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
-                sub = getattr(_tls, "sub", None)
+                sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
                 watched = self._safely(self._received, sub, pool, host_indices, device_indices)
@@ -750,8 +642,8 @@ class Instrumentation:
         cannot be read (counted and logged). One frame: allocations and frees are the
         adapter's most frequent steps, and they run between copies, with cold caches."""
         try:
-            with _NO_TORCH_FUNCTION():
-                values = _host_values(t)
+            with NO_TORCH_FUNCTION():
+                values = describe.host_values(t)
             return runs_of(values) if values is not None and values.size else None
         except Exception:
             self._errors += 1
@@ -852,7 +744,7 @@ class Instrumentation:
         refs: list[TensorRef] = []
         by_id: dict[int, tuple[str, str, TensorRef]] = {}
         for (pool, role), t in sub.uses.items():
-            ref = _ref(t, pool, role)
+            ref = tensor_ref(t, pool, role)
             refs.append(ref)
             by_id[id(t)] = (pool, role, ref)
         by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] | None = None  # built if a record needs it
@@ -895,7 +787,7 @@ class Instrumentation:
             self._pending[id(ack)] = _Pending(op_id, sub.direction)
 
     def _ack_appended(self, ack: Any, direction: str) -> None:
-        sub = getattr(_tls, "sub", None)
+        sub = getattr(current, "sub", None)
         if sub is not None and sub.direction == direction:
             sub.acks.append(ack)
 

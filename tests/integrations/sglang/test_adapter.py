@@ -213,9 +213,9 @@ def test_detach_restores_the_controller() -> None:
 
 
 def _detach_restores() -> None:
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang.record_stream import RECORDS
 
-    users = adapter._RECORDS.users  # instrumentations of earlier tests not yet collected
+    users = RECORDS.users  # instrumentations of earlier tests not yet collected
     h = _build() if FIXED else _build(io_backend="direct")
     c = h.controller
     before = dict(c.__dict__)
@@ -223,11 +223,11 @@ def _detach_restores() -> None:
     with instrument(c) as inst:
         assert instrumentation_of(c) is inst
         assert type(c.write_queue) is not list
-        assert "record_stream" in torch.Tensor.__dict__ and adapter._RECORDS.users == users + 1
+        assert "record_stream" in torch.Tensor.__dict__ and RECORDS.users == users + 1
         _workload(h, nodes=2)
         n = len(inst.log.events())
     assert instrumentation_of(c) is None
-    assert torch.Tensor.record_stream is record_stream and adapter._RECORDS.users == users
+    assert torch.Tensor.record_stream is record_stream and RECORDS.users == users
     if users == 0:
         assert "record_stream" not in torch.Tensor.__dict__
     assert set(c.__dict__) == set(before)
@@ -319,8 +319,9 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
 
     from torch.overrides import TorchFunctionMode
 
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang import adapter, describe, record_stream
 
+    ours = {adapter.__file__, describe.__file__, record_stream.__file__}
     callers: dict[str, int] = {}
     seen = [0]
 
@@ -328,7 +329,7 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             seen[0] += 1
             frame = sys._getframe(1)
-            if frame.f_code.co_filename == adapter.__file__:
+            if frame.f_code.co_filename in ours:
                 callers[frame.f_code.co_name] = callers.get(frame.f_code.co_name, 0) + 1
             return func(*args, **(kwargs or {}))
 
@@ -346,7 +347,7 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
 def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading an index tensor's values (allocations, frees, tensor descriptions) may fail
     on a tensor SGLang can use but the adapter cannot read: counted, never raised."""
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang import describe
 
     h = _build() if FIXED else _build(io_backend="direct")
     inst = instrument(h.controller)
@@ -354,7 +355,7 @@ def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.M
     def unreadable(t: torch.Tensor) -> None:
         raise RuntimeError("these index values cannot be read")
 
-    monkeypatch.setattr(adapter, "_host_values", unreadable)
+    monkeypatch.setattr(describe, "host_values", unreadable)
     loaded = _workload(h, nodes=2)  # SGLang carries on: allocs, frees, copies
     assert _data_intact(h, loaded)
     assert inst.errors > 0
