@@ -25,6 +25,7 @@ __all__ = [
     "SequenceError",
     "LogFormatError",
     "LogLimitError",
+    "UnsupportedLogVersionError",
     "ConfigError",
     "IntegrationError",
 ]
@@ -113,3 +114,12 @@ class IntegrationError(HiCacheError, TypeError):
 class LogLimitError(LogFormatError):
     """A log asks a reader for more than its documented limits (pools, total capacity):
     the message names the value and the limit."""
+
+
+class UnsupportedLogVersionError(LogFormatError):
+    """A log segment's header names a format version newer than this reader reads: the
+    message names the file, the version found and the versions readable."""
+
+    def __init__(self, message: str, *, file: str | None = None, line: int | None = None, version: int) -> None:
+        super().__init__(message, file=file, line=line)
+        self.version = version

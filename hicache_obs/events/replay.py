@@ -8,6 +8,10 @@ naming the file and line. Within each rank the events must form one gap-free,
 duplicate-free ``seq`` run (:class:`~hicache_obs.errors.SequenceError` otherwise).
 Only regular files are read (a symlink to one is followed): a FIFO, a device or a
 socket named like a segment is refused with a ``LogFormatError`` before it is read.
+A segment may start with a header line naming its format version
+(``{"format":"hicache-obs/events","version":N,...}``; none: version 1). The header is
+line 1 in error messages, the events follow from line 2; a version newer than
+``READABLE_VERSIONS`` is refused with :class:`~hicache_obs.errors.UnsupportedLogVersionError`.
 The pools a log creates are held to :class:`~hicache_obs.events.state.PoolLimits`
 (a :class:`~hicache_obs.errors.LogLimitError` beyond).
 :func:`replay` folds each rank into a :class:`~hicache_obs.events.state.CacheState`
@@ -27,8 +31,8 @@ from typing import Any
 import msgspec
 
 from .._compiled import gap_free_run
-from ..errors import LogFormatError, SequenceError
-from .schema import AnyEvent, Event
+from ..errors import LogFormatError, SequenceError, UnsupportedLogVersionError
+from .schema import LOG_FORMAT, READABLE_VERSIONS, AnyEvent, Event
 from .state import CacheState, PoolLimits, fold
 from .store import SEGMENT_GLOB
 
@@ -58,6 +62,8 @@ class ReplayResult:
     findings: list[Any] | None = None  # audit findings, with replay(..., audit=True)
     #: events read per rank (also when they were not kept: ``replay(..., keep_events=False)``)
     event_counts: dict[int, int] = field(default_factory=dict)
+    #: the log format version of each file read (1 for a file without a header)
+    versions: dict[str, int] = field(default_factory=dict)
 
     @property
     def state(self) -> CacheState:
@@ -159,25 +165,35 @@ def _blocks(fh: Any, piece: int = 0) -> Iterator[tuple[str, int, Any, int]]:
         yield "torn", lineno + 1, b"", 0
 
 
-def read_file(path: str | os.PathLike[str]) -> tuple[list[Event], TornLine | None]:
+def read_file(
+    path: str | os.PathLike[str], versions: dict[str, int] | None = None
+) -> tuple[list[Event], TornLine | None]:
     """Decode one JSON Lines file; returns its events and the torn last line, if any.
 
     A last line without its newline is torn (the writer always ends a line with one):
-    it is reported and skipped, never decoded.
+    it is reported and skipped, never decoded. A header line is read, not returned; with
+    ``versions``, the file's format version is stored there under its name.
     """
     name = str(path)
     events: list[Event] = []
-    for kind, i, block, n in _file_blocks(path):
+    for kind, i, block, n in _file_blocks(path, versions=versions):
         if kind == "torn":
             return events, TornLine(name, i)
         _decode_block(name, i, block, n, events)
     return events, None
 
 
-def _file_blocks(path: str | os.PathLike[str], piece: int = 0) -> Iterator[tuple[str, int, Any, int]]:
+def _file_blocks(
+    path: str | os.PathLike[str], piece: int = 0, versions: dict[str, int] | None = None
+) -> Iterator[tuple[str, int, Any, int]]:
     """:func:`_blocks` of one file, a ``torn`` item last if its last line is torn; an
-    unreadable file or a line over ``MAX_LINE_BYTES`` raises :class:`LogFormatError`."""
+    unreadable file or a line over ``MAX_LINE_BYTES`` raises :class:`LogFormatError`.
+
+    A header on line 1 is checked (:func:`_header_version`) and left out of the blocks,
+    which then start at line 2; ``versions[name]`` gets the file's format version."""
     name = str(path)
+    if versions is not None:
+        versions[name] = 1  # until a header says otherwise
     try:
         # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -194,12 +210,99 @@ def _file_blocks(path: str | os.PathLike[str], piece: int = 0) -> Iterator[tuple
         raise
     with fh:
         try:
+            first = True
             for kind, i, block, n in _blocks(fh, piece):
                 if kind == "overlong":
                     raise LogFormatError(f"{name}:{i}: line longer than {MAX_LINE_BYTES} bytes", file=name, line=i)
+                if first:  # line 1: a header, or already an event (version 1)
+                    first = False
+                    header = _header_line(block) if kind == "lines" else None
+                    if header is not None:
+                        version = _header_version(name, header)
+                        if versions is not None:
+                            versions[name] = version
+                        if n == 1:
+                            continue
+                        block, i, n = block[len(header) + 1 :], 2, n - 1
                 yield kind, i, block, n
         except OSError as exc:
             raise LogFormatError(f"{name}: cannot read: {exc.strerror or exc}", file=name) from None
+
+
+#: A header line is read from the first this many bytes of a segment; a longer line 1 is an event.
+HEADER_MAX_BYTES = 64 << 10
+
+_header_keys = ("format", "version", "rank", "segment")
+
+
+def _header_line(block: Any) -> bytes | None:
+    """Line 1 of a segment (without its newline) if it is a header, else ``None``.
+
+    A header is a JSON object with a ``format`` key and no ``type`` key (an event always
+    has ``type``). Anything else, malformed JSON included, is left to the event decoder,
+    which reports it as today."""
+    peek = bytes(block[:HEADER_MAX_BYTES])
+    nl = peek.find(b"\n")
+    if nl == -1 or b'"format"' not in peek[:nl]:
+        return None
+    line = peek[:nl]
+    try:
+        obj = msgspec.json.decode(line)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or "format" not in obj or "type" in obj:
+        return None
+    return line
+
+
+def _header_version(name: str, line: bytes) -> int:
+    """The format version a segment header gives, checked: a :class:`LogFormatError` names the
+    field and value that is wrong, an :class:`UnsupportedLogVersionError` a version too new."""
+    obj = msgspec.json.decode(line)
+    fmt = obj["format"]
+    if fmt != LOG_FORMAT:
+        raise LogFormatError(
+            f"{name}:1: segment header: format {_short_value(fmt)} is not {LOG_FORMAT!r}", file=name, line=1
+        )
+    for key in _header_keys[1:]:
+        if key not in obj:
+            raise LogFormatError(f"{name}:1: segment header: no {key!r} field", file=name, line=1)
+        value = obj[key]
+        if type(value) is not int or value < (1 if key == "version" else 0):
+            least = "an integer >= 1" if key == "version" else "an integer >= 0"
+            raise LogFormatError(
+                f"{name}:1: segment header: {key} {_short_value(value)} is not {least}", file=name, line=1
+            )
+        if key == "version" and value not in READABLE_VERSIONS:
+            readable = _versions_text()
+            if value > max(READABLE_VERSIONS):
+                raise UnsupportedLogVersionError(
+                    f"{name}: log format version {value} is newer than this hicache-obs "
+                    f"(reads {readable}); upgrade hicache-obs to read it",
+                    file=name,
+                    line=1,
+                    version=value,
+                )
+            raise LogFormatError(  # pragma: no cover - every version up to the newest is readable
+                f"{name}:1: segment header: version {value} is not one this hicache-obs reads ({readable})",
+                file=name,
+                line=1,
+            )
+    return int(obj["version"])
+
+
+def _versions_text() -> str:
+    v = READABLE_VERSIONS
+    if len(v) == 1:
+        return f"version {v[0]}"
+    if list(v) == list(range(v[0], v[-1] + 1)):
+        return f"versions {v[0]}-{v[-1]}"
+    return "versions " + ", ".join(map(str, v))  # pragma: no cover - the versions read have no gap
+
+
+def _short_value(value: Any) -> str:
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 80 else text[:80] + "..."
 
 
 def _file_kind(mode: int) -> str:
@@ -232,6 +335,12 @@ def _decode_block(name: str, first: int, block: Any, n_lines: int, out: list[Eve
         try:
             out.append(decode(line))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if _header_line(line + b"\n") is not None:
+                raise LogFormatError(
+                    f"{name}:{i}: a segment header, which is only read as line 1 of a segment (segments joined?)",
+                    file=name,
+                    line=i,
+                ) from None
             raise LogFormatError(f"{name}:{i}: {_short(exc)}", file=name, line=i) from None
         except RecursionError:
             raise LogFormatError(f"{name}:{i}: nesting too deep", file=name, line=i) from None
@@ -248,8 +357,9 @@ def read_segments(paths: Sequence[str | os.PathLike[str]]) -> ReplayResult:
     files = expand_paths(paths)
     torn: list[TornLine] = []
     read: list[tuple[str, list[Event]]] = []
+    versions: dict[str, int] = {}
     for f in files:
-        evs, t = read_file(f)
+        evs, t = read_file(f, versions)
         if t is not None:
             torn.append(t)
         read.append((str(f), evs))
@@ -264,7 +374,7 @@ def read_segments(paths: Sequence[str | os.PathLike[str]]) -> ReplayResult:
             items.sort(key=lambda x: x[0].seq)
             _check_sequence(rank, items)
             ordered[rank] = [ev for ev, _ in items]
-    res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, by_rank=ordered)
+    res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, by_rank=ordered, versions=versions)
     res.events = _merge(ordered)
     return res
 
@@ -393,9 +503,10 @@ def _replay_streaming(
     states: dict[int, CacheState] = {}
     next_seq: dict[int, int] = {}  # per rank: the seq its next event must carry
     torn: list[TornLine] = []
+    versions: dict[str, int] = {}
     for f in files:
         name = str(f)
-        for kind, i, block, n in _file_blocks(f, STREAM_BLOCK_BYTES):
+        for kind, i, block, n in _file_blocks(f, STREAM_BLOCK_BYTES, versions):
             if kind == "torn":
                 torn.append(TornLine(name, i))
                 break
@@ -419,7 +530,9 @@ def _replay_streaming(
             apply = st.apply
             for ev in events:
                 apply(ev)
-    res = ReplayResult(events=[], files=[str(f) for f in files], torn_lines=torn, event_counts=dict(next_seq))
+    res = ReplayResult(
+        events=[], files=[str(f) for f in files], torn_lines=torn, event_counts=dict(next_seq), versions=versions
+    )
     if auditor is not None:
         # the order a rank-by-rank fold reports in: each rank's findings in seq order,
         # then the end-of-log ones, rank by rank

@@ -42,7 +42,20 @@ __all__ = [
     "runs_from_list",
     "expand_runs",
     "runs_len",
+    "LOG_FORMAT",
+    "LOG_FORMAT_VERSION",
+    "READABLE_VERSIONS",
 ]
+
+#: The ``format`` of a segment header, the first line of every segment a store writes:
+#: ``{"format":"hicache-obs/events","version":N,"rank":R,"segment":K}``.
+LOG_FORMAT = "hicache-obs/events"
+#: The log format version written. Version 1: one event per line, in seq order per rank;
+#: a segment without a header is version 1 (every log written before headers).
+LOG_FORMAT_VERSION = 1
+#: The versions this reader reads; a segment of a newer version is refused
+#: (:class:`~hicache_obs.errors.UnsupportedLogVersionError`). See docs/events.md, "Compatibility".
+READABLE_VERSIONS: tuple[int, ...] = (1,)
 
 #: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
 MAX_CAPACITY = 1 << 28

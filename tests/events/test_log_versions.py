@@ -11,12 +11,16 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hicache_obs.cli import main
-from hicache_obs.events.replay import replay
+from hicache_obs.errors import LogFormatError, UnsupportedLogVersionError
+from hicache_obs.events.replay import TornLine, read_file, read_segments, replay
+from hicache_obs.events.schema import LOG_FORMAT
 
 REPO = Path(__file__).resolve().parents[2]
 V1 = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read
@@ -80,3 +84,144 @@ def test_v1_fixture_replays(cli, tmp_path: Path) -> None:
     assert whole.n_events == streamed.n_events == 1166
     assert len(whole.findings) == len(streamed.findings) == len(audit["violations"])
     assert whole.state.snapshot() == streamed.state.snapshot()
+
+
+# ------------------------------------------------------------------ the reader
+def _fixture_lines() -> list[bytes]:
+    return (REPO / V1 / "events-0-00000.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def _header(**fields: object) -> bytes:
+    doc: dict[str, object] = {"format": LOG_FORMAT, "version": 1, "rank": 0, "segment": 0}
+    doc.update(fields)
+    return json.dumps({k: v for k, v in doc.items() if v is not _DROP}, separators=(",", ":")).encode() + b"\n"
+
+
+_DROP = object()
+
+
+def _segment(folder: Path, data: bytes, name: str = "events-0-00000.jsonl") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(data)
+    return path
+
+
+def test_a_log_without_header_is_version_1_and_with_one_reads_the_same(tmp_path: Path) -> None:
+    plain = replay(REPO / V1, audit=True)
+    assert plain.versions == {str(REPO / V1 / "events-0-00000.jsonl"): 1}
+    path = _segment(tmp_path / "v1h", _header() + b"".join(_fixture_lines()))
+    for keep in (True, False):
+        headed = replay(path.parent, audit=True, keep_events=keep)
+        assert headed.versions == {str(path): 1}
+        assert headed.n_events == 1166 and headed.torn_lines == []
+        assert headed.findings == plain.findings
+        assert headed.state.snapshot() == plain.state.snapshot()
+    assert read_segments([path]).events == plain.events
+
+
+def _refused(err: str, path: Path) -> None:
+    assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
+    assert f"{path}: log format version 99 is newer than this hicache-obs (reads version 1)" in err, err
+
+
+def test_a_newer_version_is_refused_with_exit_2_naming_file_and_versions(cli, tmp_path: Path) -> None:
+    path = _segment(tmp_path / "v99", _header(version=99) + b"".join(_fixture_lines()))
+    for argv in (("audit", "--json"), ("inspect",), ("export", "--chrome-trace", str(tmp_path / "t.json"))):
+        code, out, err = cli(argv[0], str(path.parent), *argv[1:])
+        assert (code, out) == (2, ""), (argv, err)
+        _refused(err, path)
+    assert not (tmp_path / "t.json").exists()
+    for keep in (True, False):
+        with pytest.raises(UnsupportedLogVersionError) as info:
+            replay(path.parent, audit=True, keep_events=keep)
+        assert isinstance(info.value, LogFormatError)
+        assert (info.value.file, info.value.line, info.value.version) == (str(path), 1, 99)
+    # the console script's own exit status
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hicache_obs", "audit", str(path)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    _refused(proc.stderr, path)
+
+
+def test_a_newer_later_segment_is_refused_too(tmp_path: Path) -> None:
+    lines = _fixture_lines()
+    _segment(tmp_path, b"".join(lines[:500]))  # version 1, no header
+    second = _segment(tmp_path, _header(version=2, segment=1) + b"".join(lines[500:]), "events-0-00001.jsonl")
+    for keep in (True, False):
+        with pytest.raises(UnsupportedLogVersionError, match=f"{second}: log format version 2 is newer"):
+            replay(tmp_path, keep_events=keep)
+
+
+def test_a_header_only_segment_is_an_empty_log(cli, tmp_path: Path) -> None:
+    path = _segment(tmp_path / "h", _header())
+    assert read_file(path) == ([], None)
+    res = replay(path)
+    assert res.events == [] and res.torn_lines == [] and res.versions == {str(path): 1}
+    empty = _segment(tmp_path / "e", b"")
+    assert [cli("audit", str(p), "--json")[0] for p in (path, empty)] == [0, 0]
+    # a store stopped right after opening a segment: the segments before it are the log
+    lines = _fixture_lines()
+    _segment(tmp_path / "r", _header() + b"".join(lines))
+    _segment(tmp_path / "r", _header(segment=1), "events-0-00001.jsonl")
+    assert replay(tmp_path / "r", keep_events=False).n_events == 1166
+
+
+def test_a_torn_header_is_a_torn_last_line(cli, tmp_path: Path) -> None:
+    path = _segment(tmp_path / "t", _header()[:30])
+    assert read_file(path) == ([], TornLine(str(path), 1))
+    for keep in (True, False):
+        res = replay(path, keep_events=keep)
+        assert res.n_events == 0 and res.torn_lines == [TornLine(str(path), 1)]
+    code, _, err = cli("audit", str(path))
+    assert code == 0 and f"{path}:1: torn last line skipped" in err
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"format": "hicache-obs/metrics"}, "format \"hicache-obs/metrics\" is not 'hicache-obs/events'"),
+        ({"format": 1}, "format 1 is not 'hicache-obs/events'"),
+        ({"version": "1"}, 'version "1" is not an integer >= 1'),
+        ({"version": 1.0}, "version 1.0 is not an integer >= 1"),
+        ({"version": True}, "version true is not an integer >= 1"),
+        ({"version": 0}, "version 0 is not an integer >= 1"),
+        ({"version": None}, "version null is not an integer >= 1"),
+        ({"version": _DROP}, "no 'version' field"),
+        ({"rank": "0"}, 'rank "0" is not an integer >= 0'),
+        ({"rank": -1}, "rank -1 is not an integer >= 0"),
+        ({"rank": _DROP}, "no 'rank' field"),
+        ({"segment": [0]}, "segment [0] is not an integer >= 0"),
+        ({"segment": _DROP}, "no 'segment' field"),
+    ],
+)
+def test_a_malformed_header_names_the_field_and_value(
+    cli, tmp_path: Path, fields: dict[str, object], message: str
+) -> None:
+    path = _segment(tmp_path / "m", _header(**fields) + b"".join(_fixture_lines()[:10]))
+    for keep in (True, False):
+        with pytest.raises(LogFormatError) as info:
+            replay(path, keep_events=keep)
+        assert type(info.value) is LogFormatError
+        assert str(info.value) == f"{path}:1: segment header: {message}"
+        assert (info.value.file, info.value.line) == (str(path), 1)
+    code, _, err = cli("audit", str(path))
+    assert code == 2 and f"{path}:1: segment header: {message}" in err
+
+
+def test_line_numbers_in_errors_count_the_header(tmp_path: Path) -> None:
+    lines = _fixture_lines()
+    broken = [*lines[:2], b'{"type":"SlotsFreed","seq":2}\n', *lines[3:]]
+    plain = _segment(tmp_path / "plain", b"".join(broken))
+    headed = _segment(tmp_path / "headed", _header() + b"".join(broken))
+    for path, line in ((plain, 3), (headed, 4)):
+        for keep in (True, False):
+            with pytest.raises(LogFormatError) as info:
+                replay(path, keep_events=keep)
+            assert str(info.value).startswith(f"{path}:{line}: ") and info.value.line == line
+    # a header anywhere but line 1 (two segments joined into one file) is named as such
+    joined = _segment(tmp_path / "joined", _header() + b"".join(lines[:5]) + _header(segment=1) + b"".join(lines[5:]))
+    with pytest.raises(LogFormatError, match=rf"{joined}:7: a segment header, which is only read as line 1"):
+        replay(joined)
