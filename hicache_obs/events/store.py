@@ -1,10 +1,14 @@
 """The durable event store: JSON Lines segments, written off the controller's thread.
 
-One event per line, a JSON object whose ``type`` field names the event class
-(see ``docs/events.md``). Segments are named ``events-<rank>-<n>.jsonl`` and
-rotated when a segment would grow past ``max_bytes``; a line is never split
-across segments. Each batch is written with one ``write`` and flushed, so another
-process can read the file while it grows; only the very last line can be torn
+Every segment starts with a header line,
+``{"format":"hicache-obs/events","version":1,"rank":R,"segment":K}``, written when the
+segment is opened (``version``: :data:`~hicache_obs.events.schema.LOG_FORMAT_VERSION`;
+``K``: the ``<n>`` of its name). Then one event per line, a JSON object whose ``type``
+field names the event class (see ``docs/events.md``). Segments are named
+``events-<rank>-<n>.jsonl`` and rotated when a segment would grow past ``max_bytes``
+(a segment holds its header and at least one event); a line is never split
+across segments. The header and each batch are written with one ``write`` each, unbuffered,
+so another process can read the file while it grows; only the very last line can be torn
 by a crash, and replay reports and skips it.
 
 Use :func:`open_store` to attach a store to a log: it runs the store behind a
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import logging
 import os
 import threading
@@ -27,9 +32,9 @@ from typing import Any
 import msgspec
 
 from ..errors import ConfigError
-from .schema import Event
+from .schema import LOG_FORMAT, LOG_FORMAT_VERSION, Event
 
-__all__ = ["JsonlStore", "open_store", "segment_name", "SEGMENT_GLOB"]
+__all__ = ["JsonlStore", "open_store", "segment_name", "segment_header", "SEGMENT_GLOB"]
 
 SEGMENT_GLOB = "events*.jsonl"
 _log = logging.getLogger("hicache_obs.store")
@@ -37,6 +42,14 @@ _log = logging.getLogger("hicache_obs.store")
 
 def segment_name(rank: int, index: int) -> str:
     return f"events-{rank}-{index:05d}.jsonl"
+
+
+def segment_header(rank: int, index: int) -> bytes:
+    """The header line, newline included, that starts segment ``index`` of ``rank``."""
+    return (
+        msgspec.json.encode({"format": LOG_FORMAT, "version": LOG_FORMAT_VERSION, "rank": rank, "segment": index})
+        + b"\n"
+    )
 
 
 class JsonlStore:
@@ -66,7 +79,8 @@ class JsonlStore:
         self._enc = msgspec.json.Encoder()
         self._index = 0
         self._fd: int | None = None
-        self._size = 0
+        self._size = 0  # bytes in the open segment, its header included
+        self._body = 0  # bytes of events in the open segment
         self.paths: list[Path] = []
         self.events_written = 0
         self.bytes_written = 0
@@ -78,13 +92,29 @@ class JsonlStore:
             self._index += 1  # never overwrite an earlier run's segments
 
     def _open_next(self) -> None:
+        """Open the next segment and write its header. Raises OSError; then no segment is open
+        (the next batch tries a new one) and the file opened, if any, is left empty."""
         if self._fd is not None:
             os.close(self._fd)
+            self._fd = None
         path = self.directory / segment_name(self.rank, self._index)
+        header = segment_header(self.rank, self._index)
         self._index += 1
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, self.mode)
-        self._size = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, self.mode)
         self.paths.append(path)
+        try:
+            if os.write(fd, header) != len(header):  # a short write of a few dozen bytes: disk full
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            self.write_errors += 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)  # an empty segment reads as no events; a torn header would be reported
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._size = len(header)
+        self._body = 0
+        self.bytes_written += len(header)
 
     def handle(self, event: Event) -> None:
         self.handle_batch([event])
@@ -100,13 +130,18 @@ class JsonlStore:
         enc = self._enc.encode
         chunk: list[bytes] = []
         size = 0
+        written = self.events_written
         for ev in events:
             line = enc(ev) + b"\n"
-            if self._fd is None or (self._size + size + len(line) > self.max_bytes and (self._size + size) > 0):
+            if self._fd is None or (self._size + size + len(line) > self.max_bytes and (self._body + size) > 0):
                 if chunk:
                     self._write(b"".join(chunk), len(chunk))
                     chunk, size = [], 0
-                self._open_next()
+                try:
+                    self._open_next()
+                except OSError:
+                    self.events_lost += len(events) - (self.events_written - written)
+                    raise
             chunk.append(line)
             size += len(line)
         if chunk:
@@ -132,6 +167,7 @@ class JsonlStore:
                 self._fd = None
             raise
         self._size += len(data)
+        self._body += len(data)
         self.bytes_written += len(data)
         self.events_written += n_events
 

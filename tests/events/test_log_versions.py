@@ -15,12 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hicache_obs.cli import main
 from hicache_obs.errors import LogFormatError, UnsupportedLogVersionError
 from hicache_obs.events.replay import TornLine, read_file, read_segments, replay
 from hicache_obs.events.schema import LOG_FORMAT
+from hicache_obs.events.store import JsonlStore, segment_header
 
 REPO = Path(__file__).resolve().parents[2]
 V1 = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read
@@ -225,3 +227,103 @@ def test_line_numbers_in_errors_count_the_header(tmp_path: Path) -> None:
     joined = _segment(tmp_path / "joined", _header() + b"".join(lines[:5]) + _header(segment=1) + b"".join(lines[5:]))
     with pytest.raises(LogFormatError, match=rf"{joined}:7: a segment header, which is only read as line 1"):
         replay(joined)
+
+
+# ------------------------------------------------------------------ the writer
+def _segments(folder: Path) -> list[tuple[int, int, bytes, list[bytes]]]:
+    """(rank, n, header line, event lines) of every segment in ``folder``, by name."""
+    out = []
+    for p in sorted(folder.glob("events-*.jsonl")):
+        _, rank, n = p.stem.split("-")
+        header, *events = p.read_bytes().splitlines(keepends=True)
+        out.append((int(rank), int(n), header, events))
+    return out
+
+
+@pytest.mark.parametrize("max_bytes", [16 << 10, 100])  # several events a segment; one (each is larger)
+def test_every_segment_a_store_writes_starts_with_its_header(tmp_path: Path, max_bytes: int) -> None:
+    events = read_segments([REPO / V1]).events
+    for rank in (0, 3):
+        store = JsonlStore(tmp_path / f"r{rank}", rank=rank, max_bytes=max_bytes)
+        store.handle_batch([msgspec.structs.replace(e, rank=rank) for e in events[:300]])
+        store.close()
+        segs = _segments(tmp_path / f"r{rank}")
+        assert len(segs) > 3 and [s[1] for s in segs] == list(range(len(segs)))
+        for r, n, header, lines in segs:
+            assert r == rank and header == segment_header(rank, n)
+            assert json.loads(header) == {"format": "hicache-obs/events", "version": 1, "rank": rank, "segment": n}
+            assert lines, "no segment is a header alone"
+            if max_bytes == 100:
+                assert len(lines) == 1
+            else:
+                assert len(header) + sum(map(len, lines)) <= max_bytes
+        assert sum(len(s[3]) for s in segs) == 300 and store.events_written == 300
+        assert store.bytes_written == sum(p.stat().st_size for p in store.paths)
+        res = replay(tmp_path / f"r{rank}")
+        assert [e.seq for e in res.events] == list(range(300)) and set(res.versions.values()) == {1}
+    # a second store in the folder goes on numbering: its first header names its own segment
+    again = JsonlStore(tmp_path / "r0", max_bytes=max_bytes)
+    again.handle_batch(events[:1])
+    again.close()
+    assert again.paths[0].read_bytes().splitlines(keepends=True)[0] == segment_header(0, len(segs))
+
+
+def test_a_segment_is_readable_while_written(tmp_path: Path) -> None:
+    events = read_segments([REPO / V1]).events
+    store = JsonlStore(tmp_path)
+    try:
+        store.handle_batch(events[:100])
+        (path,) = store.paths
+        assert path.read_bytes().startswith(segment_header(0, 0))
+        assert [e.seq for e in replay(tmp_path).events] == list(range(100))
+        store.handle_batch(events[100:250])
+        assert replay(tmp_path, keep_events=False).n_events == 250
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_header_that_cannot_be_written_loses_only_that_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events = read_segments([REPO / V1]).events
+    store = JsonlStore(tmp_path, max_bytes=2048)
+    store.handle_batch(events[:5])
+    real_open = os.open
+    full = [True]
+
+    def open_full(path: object, flags: int, mode: int = 0o777) -> int:
+        if full[0] and str(path).endswith(".jsonl"):
+            full[0] = False
+            real_open(path, flags, mode)  # the file is made, as by a real open, then the disk is full
+            return real_open("/dev/full", os.O_WRONLY)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", open_full)
+    with pytest.raises(OSError, match="No space left"):
+        store.handle_batch(events[5:40])  # rotates into a segment whose header fails
+    monkeypatch.undo()
+    assert store.write_errors == 1 and 0 < store.events_lost < 35
+    store.close()
+    # the segment whose header failed is left empty; what was written before it reads back
+    assert len(store.paths) >= 2 and store.paths[-1].read_bytes() == b""
+    res = replay(tmp_path)
+    assert [e.seq for e in res.events] == list(range(40 - store.events_lost)) and res.torn_lines == []
+
+
+def test_the_sink_host_childs_store_writes_headers(tmp_path: Path) -> None:
+    from event_workloads import run_workload
+
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.events import EventLog
+    from hicache_obs.exporters.sinkhost import add_sink_host
+    from hicache_obs.testing import make_controller
+
+    log = EventLog(rank=2)
+    add_sink_host(log, [{"sink": "jsonl", "dir": str(tmp_path), "rank": 2, "max_bytes": 4096}])
+    c = make_controller(ModelSpec.tiny(), log=log, device_size=512)
+    run_workload(c, rounds=4)
+    c.close()
+    log.close()
+    segs = _segments(tmp_path)
+    assert len(segs) > 1
+    assert [s[2] for s in segs] == [segment_header(2, n) for _, n, _, _ in segs]
+    assert replay(tmp_path).events == log.events()

@@ -45,8 +45,9 @@ def test_round_trip_across_rotation(tmp_path: Path, spec: ModelSpec) -> None:
     assert res.state.snapshot() == c.state.snapshot()
     assert res.torn_lines == []
     assert runner.stats()["dropped"] == 0
-    # every line is a JSON object whose first key is the type tag
-    first = paths[0].read_bytes().splitlines()[0]
+    # line 1 is the segment header; every other line a JSON object whose first key is the type tag
+    header, first = paths[0].read_bytes().splitlines()[:2]
+    assert json.loads(header) == {"format": "hicache-obs/events", "version": 1, "rank": 0, "segment": 0}
     obj = json.loads(first)
     assert next(iter(obj)) == "type"
     assert obj["type"] == "PoolCreated"
@@ -130,7 +131,7 @@ def test_corruption_before_the_end_names_file_and_line(tmp_path: Path, mutate, m
 def test_sequence_gap_and_duplicate_are_named(tmp_path: Path) -> None:
     _, runner = _store_workload(tmp_path, ModelSpec.tiny(), max_bytes=1 << 30, rounds=2)
     (path,) = runner.sink.paths
-    lines = path.read_bytes().splitlines(keepends=True)
+    lines = path.read_bytes().splitlines(keepends=True)[1:]  # the events, without the header
     gap = tmp_path / "gap"
     gap.mkdir()
     (gap / "events-0-00000.jsonl").write_bytes(b"".join(lines[:5] + lines[6:]))
@@ -158,7 +159,7 @@ def test_segments_given_out_of_order_or_mixed_replay_the_same(tmp_path: Path) ->
     assert replay(list(reversed(paths))).events == in_order.events
     # one file with the lines of two segments swapped, and rank 1's copy interleaved
     mixed = tmp_path / "mixed.jsonl"
-    lines = [ln for p in paths for ln in p.read_bytes().splitlines(keepends=True)]
+    lines = [ln for p in paths for ln in p.read_bytes().splitlines(keepends=True)[1:]]  # events, no headers
     half = len(lines) // 2
     dec, enc = msgspec.json.Decoder(), msgspec.json.Encoder()
     other = []
@@ -201,6 +202,9 @@ def test_two_ranks_replay_into_one_ordered_history(tmp_path: Path) -> None:
         out = []
         for line in p.read_bytes().splitlines():
             obj = dec.decode(line)
+            if "format" in obj:  # the segment header
+                out.append(line + b"\n")
+                continue
             obj["ts_ns"] = t0 + (obj["seq"] * span) // len(c1.log) + 1
             out.append(msgspec.json.encode(obj) + b"\n")
         p.write_bytes(b"".join(out))

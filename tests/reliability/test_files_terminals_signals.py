@@ -75,7 +75,7 @@ def hostile_log(demo_log: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     failed = False
     for line in (demo_log / "events-0-00000.jsonl").read_text().splitlines():
         ev = json.loads(line)
-        if not failed and ev["type"] == "TransferCompleted":
+        if not failed and ev.get("type") == "TransferCompleted":  # line 1 is the segment header
             ev = {k: ev[k] for k in ("seq", "ts_ns", "rank", "op", "direction")}
             ev.update(type="TransferFailed", error=HOSTILE)
             failed = True
