@@ -280,7 +280,6 @@ def _header_version(name: str, line: bytes) -> int:
                     f"{name}: log format version {value} is newer than this hicache-obs "
                     f"(reads {readable}); upgrade hicache-obs to read it",
                     file=name,
-                    line=1,
                     version=value,
                 )
             raise LogFormatError(  # pragma: no cover - every version up to the newest is readable
