@@ -321,7 +321,7 @@ def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
         if SPAWNING.search(line)
     ]
     assert hits == [
-        ("exporters/sinkhost.py", "self.pid = os.posix_spawn("),
+        ("exporters/sinkhost/client.py", "self.pid = os.posix_spawn("),
         (
             "hicache_obs/cli/instrument.py",
             "os.execve(exe, command, env)  # replaces this process: signals and the exit status are COMMAND's",
@@ -329,7 +329,7 @@ def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
     ]
     launcher = (ROOT / "hicache_obs" / "cli" / "instrument.py").read_text(encoding="utf-8")
     assert "exe = shutil.which(command[0])" in launcher  # the argv the user gave, no shell
-    text = (ROOT / "exporters" / "sinkhost.py").read_text(encoding="utf-8")
+    text = (ROOT / "exporters" / "sinkhost" / "client.py").read_text(encoding="utf-8")
     assert (
         'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", json.dumps(self.specs)]'
         in text

@@ -1,0 +1,7 @@
+"""``python -m hicache_obs.exporters.sinkhost``: the sink host child (see :mod:`.child`)."""
+
+import sys
+
+from .child import main
+
+sys.exit(main())

@@ -1,0 +1,222 @@
+"""The sink host child: builds its sinks from their specs, then feeds them the frames it reads.
+
+Run as ``python -m hicache_obs.exporters.sinkhost --reply-fd FD SPECS`` by :class:`SinkHost`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import msgspec
+
+from .specs import check_specs
+from .wire import CLOSE, EVENTS, FLUSH, HEADER, read_exact
+
+__all__ = ["HostAudit", "build_sinks", "main"]
+
+
+def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list[Any]]:
+    """The child's sinks in handling order (spans before lines), its ready reply, closers."""
+    from hicache_obs._files import FILE_MODE, make_dirs
+
+    sinks: list[Any] = []
+    ready: dict[str, Any] = {"ready": True}
+    closers: list[Any] = []
+    by_kind = {s["sink"]: s for s in specs}
+    otel = None
+    if "otel" in by_kind:
+        from ..otel import OtelSpanSink
+
+        s = by_kind["otel"]
+        exporter: Any = None
+        if s.get("exporter") == "memory":
+            from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+            exporter = InMemorySpanExporter()
+        elif s.get("endpoint"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=s["endpoint"])
+        otel = OtelSpanSink(service_name=s.get("service_name", "hicache-obs"), exporter=exporter)
+        sinks.append(otel)
+    if "prometheus" in by_kind:
+        from ..prometheus import DEFAULT_POOLS, PrometheusSink, start_metrics_server
+
+        s = by_kind["prometheus"]
+        prom = PrometheusSink(pools=s.get("pools", DEFAULT_POOLS))
+        # the server lives as long as the process (its exit closes the socket)
+        _server, port = start_metrics_server(prom.registry, s.get("port", 0), s.get("addr", "127.0.0.1"))
+        ready["prometheus_port"] = port
+        sinks.append(prom)
+    if "structlog" in by_kind:
+        from ..structlog_sink import StructlogSink
+
+        s = by_kind["structlog"]
+        target = s.get("file", "-")
+        if target == "-":
+            fh = sys.stdout
+        else:
+            make_dirs(os.path.dirname(os.path.abspath(target)))
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, FILE_MODE)
+            fh = os.fdopen(fd, "a", encoding="utf-8")
+            closers.append(fh.close)
+        sinks.append(StructlogSink(file=fh, level=s.get("level", "info"), span_ids=otel))
+    if "jsonl" in by_kind:
+        from hicache_obs.events.store import JsonlStore
+
+        s = by_kind["jsonl"]
+        sinks.append(
+            JsonlStore(
+                s["dir"],
+                rank=s.get("rank", 0),
+                max_bytes=s.get("max_bytes", 64 << 20),
+                fsync=bool(s.get("fsync", False)),
+            )
+        )
+    return sinks, ready, closers
+
+
+class HostAudit:
+    """The auditor in the host: its violations are inserted after the events that revealed them."""
+
+    def __init__(self) -> None:
+        from hicache_obs.events.audit import Auditor
+
+        self.auditor = Auditor(emit=self._emit)
+        self._out: list[Any] = []
+        self._cur: Any = None
+        self._finishing = False
+
+    def _emit(self, cls: Any, **fields: Any) -> None:
+        cur = self._cur  # the event that revealed it (the last one, at the end of the log)
+        ts = time.time_ns() if self._finishing else cur.ts_ns
+        self._out.append(cls(seq=cur.seq, ts_ns=ts, rank=cur.rank, **fields))
+
+    def run(self, batch: list[Any]) -> list[Any]:
+        out = self._out = []
+        handle = self.auditor.handle
+        for ev in batch:
+            out.append(ev)
+            self._cur = ev
+            handle(ev)
+        return out
+
+    def finish(self) -> list[Any]:
+        self._out = []
+        if self._cur is not None:
+            self._finishing = True
+            self.auditor.finish()
+        return self._out
+
+
+def feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[str, int]) -> None:
+    """Stores get ``batch`` (the log's own events); the other sinks ``audited`` (with violations)."""
+    for s in sinks:
+        events = batch if getattr(s, "paths", None) is not None else audited
+        if not events:
+            continue
+        try:
+            s.handle_batch(events)
+        except Exception as exc:  # one sink failing must not stop the others
+            errors[s.name] = errors.get(s.name, 0) + 1
+            print(f"hicache sink host: sink {s.name} failed on a batch: {exc!r}", file=sys.stderr, flush=True)
+
+
+READY_CPU = [0.0]  # the child's process_time() when it said it was ready
+
+
+def stats_of(
+    sinks: list[Any], events: int, batches: int, errors: dict[str, int], audit: HostAudit | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"events": events, "batches": batches, "errors": dict(errors)}
+    out["cpu_s"] = time.process_time() - READY_CPU[0]  # the host's CPU time since it was ready
+    if audit is not None:
+        out["violations"] = audit.auditor.counts()
+    for s in sinks:
+        if hasattr(s, "spans_ended"):
+            out["spans_ended"] = s.spans_ended
+            out["spans_exported"] = s.spans_exported
+            out["spans_dropped"] = s.spans_dropped
+        if hasattr(s, "lines_written"):
+            out["lines_written"] = s.lines_written
+        if hasattr(s, "paths"):
+            out["paths"] = [str(p) for p in s.paths]
+    return out
+
+
+def call_all(sinks: list[Any], method: str, errors: dict[str, int], *args: Any) -> None:
+    for s in sinks:
+        try:
+            getattr(s, method)(*args)
+        except Exception as exc:  # one sink failing must not stop the others
+            errors[s.name] = errors.get(s.name, 0) + 1
+            print(f"hicache sink host: sink {s.name} failed to {method}: {exc!r}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hicache_obs.exporters.sinkhost")
+    p.add_argument("--reply-fd", type=int, required=True)
+    p.add_argument("specs")
+    args = p.parse_args(argv)
+    reply = os.fdopen(args.reply_fd, "wb", buffering=0)
+
+    def say(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj).encode() + b"\n")
+
+    try:
+        specs = check_specs(json.loads(args.specs))
+        sinks, ready, closers = build_sinks(specs)
+        from hicache_obs.events.schema import AnyEvent
+
+        audit = HostAudit() if any(spec["sink"] == "audit" for spec in specs) else None
+        decode = msgspec.msgpack.Decoder(list[AnyEvent]).decode  # type: ignore[valid-type]
+    except Exception as exc:
+        say({"error": f"{type(exc).__name__}: {exc}"})
+        return 2
+    # all set-up done before the parent hears "ready": none of it runs beside its work
+    gc.collect()
+    gc.freeze()  # what start-up built stays: later collections skip it
+    READY_CPU[0] = time.process_time()
+    say(ready)
+    inp = sys.stdin.buffer
+    events = batches = 0
+    errors: dict[str, int] = {}
+    while True:
+        header = read_exact(inp, HEADER.size)
+        if len(header) < HEADER.size:  # the parent went away: close what we have
+            if audit is not None:
+                feed(sinks, [], audit.finish(), errors)
+            call_all(sinks, "close", errors)
+            break
+        kind, n = HEADER.unpack(header)
+        payload = read_exact(inp, n)
+        if kind == EVENTS:
+            batch = decode(payload)
+            events += len(batch)
+            batches += 1
+            feed(sinks, batch, audit.run(batch) if audit is not None else batch, errors)
+        elif kind == FLUSH:
+            call_all(sinks, "flush", errors)
+            say({"flushed": int(payload), "stats": stats_of(sinks, events, batches, errors, audit)})
+        elif kind == CLOSE:
+            if audit is not None:  # end of the log: ops submitted and never finished
+                feed(sinks, [], audit.finish(), errors)
+            call_all(sinks, "close", errors)
+            for fn in closers:
+                fn()
+            sys.stdout.flush()
+            say({"closed": True, "stats": stats_of(sinks, events, batches, errors, audit)})
+            break
+        else:
+            print(f"hicache sink host: unknown frame {kind!r}; stopping", file=sys.stderr, flush=True)
+            return 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every sink is closed: skip the interpreter's teardown
+
