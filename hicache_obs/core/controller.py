@@ -60,6 +60,7 @@ from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ModelSpec
 from .tensors import subclass_problem, tensor_problem
+from .torch_compat import plain_tensor_calls
 from .transfer import (
     IO_BACKENDS,
     CopyFault,
@@ -115,7 +116,6 @@ _Given = tuple[tuple[str, str, torch.Tensor], ...]
 
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
-_PLAIN_TENSOR_CALLS = torch._C.DisableTorchFunctionSubclass
 
 #: (pool, host indices, device indices, their ``pair_runs`` when the values are on the CPU)
 _Pair = tuple[str, torch.Tensor, torch.Tensor, Any]
@@ -314,7 +314,7 @@ class HiCacheController:
             dtype = t.dtype
             ptr = t.data_ptr() if numel else 0
         else:  # metadata only: skip a subclass's __torch_function__ (the sim runtime's costs ~6 us a call)
-            with _PLAIN_TENSOR_CALLS():
+            with plain_tensor_calls():
                 numel = t.numel()
                 dtype = t.dtype
                 ptr = t.data_ptr() if numel else 0

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .runtime import CallObservers
+from .torch_compat import plain_tensor_calls
 
 __all__ = ["SimRuntime", "SimTensor", "SimStream", "SimEvent"]
 
@@ -83,7 +84,7 @@ class SimTensor(torch.Tensor):
                 sims.extend(x for x in a if isinstance(x, SimTensor))
         if sims:
             rt = sims[0]._sim_rt
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensor_calls():
             if func in _TO_HOST or (func is torch.Tensor.to and _targets_cpu(args, kwargs)):
                 src = args[0]
                 return torch.Tensor.clone(src.as_subclass(torch.Tensor))
@@ -126,7 +127,7 @@ def _wrap_tensor(rt: SimRuntime, t: torch.Tensor, sims: list[SimTensor]) -> SimT
     for s in sims:
         if t is s:
             return s
-    with torch._C.DisableTorchFunctionSubclass():
+    with plain_tensor_calls():
         return _wrap_plain(rt, t, sims)
 
 
@@ -363,7 +364,7 @@ class SimRuntime:
 
     def _alloc_copy(self, t: torch.Tensor) -> SimTensor:
         out = self._new(tuple(t.shape), t.dtype)
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensor_calls():
             out.copy_(t)
         return out
 
@@ -423,7 +424,7 @@ class SimRuntime:
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, SimTensor):
-            with torch._C.DisableTorchFunctionSubclass():
+            with plain_tensor_calls():
                 return self.observers.moved(tensor, torch.Tensor.clone(tensor.as_subclass(torch.Tensor)))
         return tensor
 
@@ -440,7 +441,7 @@ class SimRuntime:
     def launch(self, fn: Callable[..., None], *tensors: Any) -> None:
         s = self._current
         if s.is_main:
-            with torch._C.DisableTorchFunctionSubclass():
+            with plain_tensor_calls():
                 fn(*[self._plain(t) for t in tensors])
             return
         captured = [self._capture(t) for t in tensors]
@@ -449,7 +450,7 @@ class SimRuntime:
         fail = getattr(fn, "fail", None)
 
         def work() -> None:
-            with torch._C.DisableTorchFunctionSubclass():
+            with plain_tensor_calls():
                 try:
                     args = [self._materialise(c) for c in captured]
                 except Exception as exc:
@@ -472,7 +473,7 @@ class SimRuntime:
             return ("value", t)
         if t._sim_rt is not self:
             raise ValueError("a sim device tensor of another SimRuntime cannot be used on this one's streams")
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensor_calls():
             if t.is_neg() or t.is_conj():
                 # the capture keeps offset, shape and strides, not the view's bits
                 raise ValueError(
@@ -482,7 +483,7 @@ class SimRuntime:
         blk = t._sim_block
         if blk is None:  # persistent buffer: long-lived, like a pool's storage
             return ("value", t.as_subclass(torch.Tensor))
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_tensor_calls():
             byte_off = t.data_ptr() - self._seg_ptrs[blk.seg]
             return ("arena", blk.seg, byte_off, tuple(t.shape), tuple(t.stride()), t.dtype)
 

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["subclass_problem", "tensor_problem"]
+from .torch_compat import plain_tensor_calls
 
-_PLAIN_CALLS = torch._C.DisableTorchFunctionSubclass
+__all__ = ["subclass_problem", "tensor_problem"]
 
 
 def subclass_problem(t: torch.Tensor, runtime: Any) -> str | None:
@@ -60,7 +60,7 @@ def tensor_problem(t: torch.Tensor, runtime: Any) -> str | None:
     ``runtime``, or None. Reads only metadata: never the values, never a device sync."""
     if type(t) is torch.Tensor:
         return _flag_problem(t, runtime)
-    with _PLAIN_CALLS():  # the device tensor class's __torch_function__ costs microseconds a call
+    with plain_tensor_calls():  # the device tensor class's __torch_function__ costs microseconds a call
         return _flag_problem(t, runtime)
 
 

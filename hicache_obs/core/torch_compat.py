@@ -1,0 +1,32 @@
+"""The private torch names this package relies on, named once.
+
+torch keeps a few things it has no public name for in ``torch._C``. Every module of
+the package takes them from here, so a torch release that moves one breaks this file
+alone, and ``grep torch_compat`` lists every place that depends on them.
+
+- :data:`plain_tensor_calls`: a context manager under which a tensor subclass's
+  ``__torch_function__`` is skipped (``torch._C.DisableTorchFunctionSubclass``). The
+  ``sim`` runtime's device tensor class costs microseconds a call through its
+  override; inside this block its methods run as plain ``torch.Tensor``'s.
+- :data:`no_torch_function`: a context manager under which every
+  ``__torch_function__`` mode and override is skipped (``torch._C.DisableTorchFunction``),
+  for reading a tensor the caller handed over without running the caller's hooks.
+- :data:`true_device`: ``true_device(t)`` is the device of ``t``'s storage, read past
+  whatever a subclass's ``device`` property answers (``torch._C.TensorBase.device``'s getter).
+- :data:`TensorBase`: the C base class of ``torch.Tensor``; its methods (``record_stream``
+  among them) are what a call on a tensor reaches when ``torch.Tensor`` does not override it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C import DisableTorchFunction, DisableTorchFunctionSubclass, TensorBase
+
+__all__ = ["plain_tensor_calls", "no_torch_function", "true_device", "TensorBase"]
+
+plain_tensor_calls = DisableTorchFunctionSubclass
+no_torch_function = DisableTorchFunction
+true_device: Callable[[torch.Tensor], Any] = TensorBase.device.__get__
