@@ -36,7 +36,17 @@ import torch
 from .runtime import CallObservers
 from .torch_compat import plain_tensor_calls
 
-__all__ = ["SimRuntime", "SimTensor", "SimStream", "SimEvent"]
+__all__ = [
+    "SimRuntime",
+    "SimTensor",
+    "SimStream",
+    "SimEvent",
+    "SimArena",
+    "SimScheduler",
+    "SimTensorInfo",
+    "sim_info",
+    "set_sim_info",
+]
 
 _MIN_BLOCK = 512
 _SEGMENT_BYTES = 8 << 20
@@ -48,28 +58,47 @@ def _size_class(nbytes: int) -> int:
 
 
 class _Block:
-    """One allocation in the arena; freed when the last tensor on it dies."""
+    """One allocation in the arena; freed when the last tensor on it dies. ``ptr`` is the
+    address of its first byte."""
 
-    __slots__ = ("rt", "seg", "offset", "size", "streams", "__weakref__")
+    __slots__ = ("arena", "seg", "offset", "size", "ptr", "streams", "__weakref__")
 
-    def __init__(self, rt: SimRuntime, seg: int, offset: int, size: int) -> None:
-        self.rt = rt
+    def __init__(self, arena: SimArena, seg: int, offset: int, size: int, ptr: int) -> None:
+        self.arena = arena
         self.seg = seg
         self.offset = offset
         self.size = size
+        self.ptr = ptr
         self.streams: set[SimStream] | None = None
 
     def __del__(self) -> None:
-        rt = self.rt
-        if rt is not None and not rt._closed:
-            rt._release(self.seg, self.offset, self.size, self.streams)
+        arena = self.arena
+        if arena is not None and not arena.closed:
+            arena.release(self.seg, self.offset, self.size, self.streams)
+
+
+class SimTensorInfo:
+    """What the sim runtime knows of one of its device tensors: the arena ``block`` it
+    lives on (None for a persistent buffer, a pool's storage) and the ``runtime`` whose
+    arena that is. A view shares its base's."""
+
+    __slots__ = ("block", "runtime")
+
+    def __init__(self, block: _Block | None, runtime: SimRuntime) -> None:
+        self.block = block
+        self.runtime = runtime
+
+    def __repr__(self) -> str:
+        where = "a persistent buffer" if self.block is None else f"block {self.block.seg}:{self.block.offset}"
+        return f"<SimTensorInfo {where} of runtime {id(self.runtime):#x}>"
 
 
 class SimTensor(torch.Tensor):
-    """A tensor that lives in the sim runtime's device arena (or a pool buffer)."""
+    """A tensor that lives in the sim runtime's device arena (or a pool buffer).
 
-    _sim_block: _Block | None
-    _sim_rt: SimRuntime
+    ``hicache_sim`` is its :class:`SimTensorInfo` (read it with :func:`sim_info`)."""
+
+    hicache_sim: SimTensorInfo
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
@@ -83,7 +112,7 @@ class SimTensor(torch.Tensor):
             elif isinstance(a, (list, tuple)):
                 sims.extend(x for x in a if isinstance(x, SimTensor))
         if sims:
-            rt = sims[0]._sim_rt
+            rt = sims[0].hicache_sim.runtime
         with plain_tensor_calls():
             if func in _TO_HOST or (func is torch.Tensor.to and _targets_cpu(args, kwargs)):
                 src = args[0]
@@ -95,6 +124,17 @@ class SimTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto):  # type: ignore[no-untyped-def,override]
         raise TypeError("sim device tensors cannot be pickled; move them to the host first")
+
+
+def sim_info(t: torch.Tensor) -> SimTensorInfo | None:
+    """The sim runtime's record of ``t`` (its block and runtime), or None when ``t`` is no
+    sim device tensor."""
+    return getattr(t, "hicache_sim", None) if isinstance(t, SimTensor) else None
+
+
+def set_sim_info(t: SimTensor, info: SimTensorInfo) -> None:
+    """Make ``t`` a device tensor on ``info``'s block of ``info``'s runtime."""
+    t.hicache_sim = info
 
 
 _TO_HOST = {torch.Tensor.cpu, torch.Tensor.numpy}
@@ -137,22 +177,134 @@ def _wrap_plain(rt: SimRuntime, t: torch.Tensor, sims: list[SimTensor]) -> SimTe
         for s in sims:
             if s.numel() == 0:
                 continue
-            blk = s._sim_block
             sp = s.untyped_storage().data_ptr()
             if t.untyped_storage().data_ptr() != sp:
                 continue
-            if blk is None:  # a view of a persistent pool buffer
+            # a view of ``s``'s memory: it is on the same block of the same runtime
+            info = s.hicache_sim
+            blk = info.block
+            if blk is None or blk.ptr <= ptr < blk.ptr + blk.size:  # None: a view of a persistent pool buffer
                 out = t.as_subclass(SimTensor)
-                out._sim_block = None
-                out._sim_rt = rt
+                out.hicache_sim = info
                 return out
-            base = rt._seg_ptrs[blk.seg] + blk.offset
-            if base <= ptr < base + blk.size:
-                out = t.as_subclass(SimTensor)
-                out._sim_block = blk
-                out._sim_rt = rt
-                return out
-    return rt._alloc_copy(t)
+    return rt.arena.alloc_copy(t)
+
+
+class SimArena:
+    """The caching-allocator model of one :class:`SimRuntime` (see the module doc).
+
+    Byte segments are carved into blocks of power-of-two size classes. A freed block goes
+    back to its class's LIFO free list at once, unless a stream that ``record_stream``
+    named still has work queued: then :meth:`release` defers it, and :meth:`retire` returns
+    it once that work ran. Every method takes ``lock``, the runtime's one lock, shared with
+    the stream queues: tensors die, and streams run, on whatever thread drops or polls them.
+    ``closed`` (set by the runtime's ``close()``) turns frees into no-ops."""
+
+    def __init__(self, runtime: SimRuntime, lock: threading.RLock, segment_bytes: int = _SEGMENT_BYTES) -> None:
+        self.runtime = runtime
+        self.lock = lock
+        self.closed = False
+        self.blocks_allocated = 0
+        self.blocks_reused = 0
+        self._segment_bytes = segment_bytes
+        self._segs: list[torch.Tensor] = []
+        self._seg_ptrs: list[int] = []
+        self._seg_used: list[int] = []
+        self._free: dict[int, list[tuple[int, int]]] = {}
+        self._deferred: list[tuple[int, int, int, list[tuple[SimStream, int]]]] = []
+        # the persistent buffers' side data: they all name this runtime and no block
+        self.buffer_info = SimTensorInfo(None, runtime)
+
+    def alloc(self, nbytes: int) -> _Block:
+        """A block of at least ``nbytes``: the most recently freed one of its size class, or a new one."""
+        with self.lock:
+            size = _size_class(nbytes)
+            free = self._free.get(size)
+            if free:
+                seg, off = free.pop()  # LIFO: the most recently freed block first
+                self.blocks_reused += 1
+            else:
+                seg, off = self._bump(size)
+            self.blocks_allocated += 1
+            return _Block(self, seg, off, size, self._seg_ptrs[seg] + off)
+
+    def _bump(self, size: int) -> tuple[int, int]:
+        if self._segs:
+            i = len(self._segs) - 1
+            if self._seg_used[i] + size <= self._segs[i].numel():
+                off = self._seg_used[i]
+                self._seg_used[i] += size
+                return i, off
+        seg = torch.zeros(max(self._segment_bytes, size), dtype=torch.uint8)
+        self._segs.append(seg)
+        self._seg_ptrs.append(seg.data_ptr())
+        self._seg_used.append(size)
+        return len(self._segs) - 1, 0
+
+    def release(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
+        """Free the block at ``seg``/``off``: at once, or, when one of ``streams`` still has
+        queued work, after that work ran (see :meth:`retire`)."""
+        with self.lock:
+            if streams:
+                pending = [(s, s.submitted) for s in streams if s.submitted > s.completed]
+                if pending:
+                    self._deferred.append((seg, off, size, pending))
+                    return
+            self._free.setdefault(size, []).append((seg, off))
+
+    def retire(self) -> None:
+        """Return the deferred blocks whose streams ran the work they waited for."""
+        with self.lock:
+            keep = []
+            for item in self._deferred:
+                seg, off, size, pending = item
+                if all(s.completed >= t for s, t in pending):
+                    self._free.setdefault(size, []).append((seg, off))
+                else:
+                    keep.append(item)
+            self._deferred = keep
+
+    @property
+    def has_deferred_frees(self) -> bool:
+        """Whether a freed block waits for a stream's work."""
+        return bool(self._deferred)
+
+    def new(self, shape: tuple[int, ...], dtype: torch.dtype) -> SimTensor:
+        """A device tensor of ``shape`` and ``dtype`` on a block of its own (values unset)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        n = 1
+        for d in shape:
+            n *= d
+        blk = self.alloc(n * itemsize)
+        raw = self._segs[blk.seg][blk.offset : blk.offset + n * itemsize]
+        out = raw.view(dtype).view(shape).as_subclass(SimTensor)
+        out.hicache_sim = SimTensorInfo(blk, self.runtime)
+        return out
+
+    def alloc_copy(self, t: torch.Tensor) -> SimTensor:
+        """A device tensor on a block of its own holding ``t``'s values."""
+        out = self.new(tuple(t.shape), t.dtype)
+        with plain_tensor_calls():
+            out.copy_(t)
+        return out
+
+    def strided(
+        self, seg: int, byte_off: int, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A plain tensor over segment ``seg``'s bytes from ``byte_off``, with ``shape`` and ``stride``
+        (what queued work rebuilds from the offsets it captured)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self._segs[seg].view(dtype).as_strided(shape, stride, byte_off // itemsize)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks on the free lists."""
+        return sum(len(v) for v in self._free.values())
+
+    @property
+    def deferred_blocks(self) -> int:
+        """Freed blocks held back until a stream ran its work."""
+        return len(self._deferred)
 
 
 class SimStream:
@@ -169,13 +321,13 @@ class SimStream:
         self.is_main = is_main
 
     def submit(self, work: Callable[[], None]) -> int:
-        with self.rt._mu:
+        with self.rt.scheduler.lock:
             self.submitted += 1
             self.queue.append((self.submitted, work))
             return self.submitted
 
     def run_until(self, ticket: int) -> None:
-        with self.rt._mu:
+        with self.rt.scheduler.lock:
             self._run_until(ticket)
 
     def _run_until(self, ticket: int) -> None:
@@ -187,14 +339,41 @@ class SimStream:
             ran = True
         if self.completed < ticket:
             self.completed = ticket
-        if ran or self.rt._deferred_frees:
-            self.rt._retire()
+        arena = self.rt.arena
+        if ran or arena.has_deferred_frees:
+            arena.retire()
 
     def pending(self) -> bool:
         return bool(self.queue)
 
     def __repr__(self) -> str:
         return f"<sim stream {self.name} submitted={self.submitted} completed={self.completed}>"
+
+
+class SimScheduler:
+    """The stream state of one :class:`SimRuntime`.
+
+    ``lock``: the one lock of the stream queues and the arena. ``main``: the synchronous
+    main stream. ``streams``: the side streams made so far. ``paused``: side-stream work is
+    held back (queries answer "not done"). ``current``: the calling thread's current stream,
+    ``main`` unless set (the runtime's ``use()``): it is per thread, as in CUDA."""
+
+    __slots__ = ("lock", "main", "streams", "paused", "_tls")
+
+    def __init__(self, main: SimStream) -> None:
+        self.lock = threading.RLock()
+        self.main = main
+        self.streams: list[SimStream] = []
+        self.paused = False
+        self._tls = threading.local()
+
+    @property
+    def current(self) -> SimStream:
+        return getattr(self._tls, "stream", self.main)
+
+    @current.setter
+    def current(self, stream: SimStream) -> None:
+        self._tls.stream = stream
 
 
 class SimEvent:
@@ -210,7 +389,7 @@ class SimEvent:
         self.timing = enable_timing
 
     def record(self, stream: Any = None) -> None:
-        s: SimStream = stream if stream is not None else self.rt._current
+        s: SimStream = stream if stream is not None else self.rt.scheduler.current
         self.t_ns = None
         if s.is_main:
             self.stream = None
@@ -227,7 +406,7 @@ class SimEvent:
         s = self.stream
         if s is None or s.completed >= self.ticket:
             return True
-        if self.rt._paused:
+        if self.rt.scheduler.paused:
             return False
         s.run_until(self.ticket)
         return True
@@ -235,19 +414,20 @@ class SimEvent:
     def synchronize(self) -> None:
         s = self.stream
         if s is not None and s.completed < self.ticket:
-            if self.rt._paused:
+            if self.rt.scheduler.paused:
                 raise RuntimeError("SimEvent.synchronize() inside SimRuntime.paused() would deadlock")
             s.run_until(self.ticket)
 
     def wait(self, stream: Any = None) -> None:
-        waiter: SimStream = stream if stream is not None else self.rt._current
+        sched = self.rt.scheduler
+        waiter: SimStream = stream if stream is not None else sched.current
         src, ticket = self.stream, self.ticket
         if src is None or src is waiter:
             return
         if waiter.is_main:
             # the synchronous main stream blocks until the event's work ran
             if src.completed < ticket:
-                if self.rt._paused:
+                if sched.paused:
                     raise RuntimeError("main stream waited on a paused side stream")
                 src.run_until(ticket)
             return
@@ -261,7 +441,10 @@ class SimEvent:
 
 
 class SimRuntime:
-    """CPU model of CUDA streams, events and the caching allocator (see module doc)."""
+    """CPU model of CUDA streams, events and the caching allocator (see module doc).
+
+    ``scheduler`` (:class:`SimScheduler`) holds the streams and their lock, ``arena``
+    (:class:`SimArena`) the device memory."""
 
     name = "sim"
     device = "sim:0"
@@ -270,133 +453,45 @@ class SimRuntime:
     tensor_type = SimTensor
 
     def __init__(self, segment_bytes: int = _SEGMENT_BYTES) -> None:
-        self._segment_bytes = segment_bytes
-        self._segs: list[torch.Tensor] = []
-        self._seg_ptrs: list[int] = []
-        self._seg_used: list[int] = []
-        self._free: dict[int, list[tuple[int, int]]] = {}
-        self._deferred_frees: list[tuple[int, int, int, list[tuple[SimStream, int]]]] = []
-        self._main = SimStream(self, "main", is_main=True)
-        self._tls = threading.local()  # the current stream is per thread, as in CUDA
-        # one lock for the allocator model and the stream queues: tensors die, and
-        # streams run, on whatever thread drops or polls them
-        self._mu = threading.RLock()
-        self._streams: list[SimStream] = []
-        self._paused = False
-        self._closed = False
-        self.blocks_allocated = 0
-        self.blocks_reused = 0
+        self.scheduler = SimScheduler(SimStream(self, "main", is_main=True))
+        self.arena = SimArena(self, self.scheduler.lock, segment_bytes)
         self.observers = CallObservers()
 
     # ----------------------------------------------------------- allocator model
-    def _alloc_block(self, nbytes: int) -> _Block:
-        with self._mu:
-            return self._alloc_block_locked(nbytes)
+    @property
+    def blocks_allocated(self) -> int:
+        return self.arena.blocks_allocated
 
-    def _alloc_block_locked(self, nbytes: int) -> _Block:
-        size = _size_class(nbytes)
-        free = self._free.get(size)
-        if free:
-            seg, off = free.pop()  # LIFO: the most recently freed block first
-            self.blocks_reused += 1
-        else:
-            seg, off = self._bump(size)
-        self.blocks_allocated += 1
-        return _Block(self, seg, off, size)
-
-    def _bump(self, size: int) -> tuple[int, int]:
-        if self._segs:
-            i = len(self._segs) - 1
-            if self._seg_used[i] + size <= self._segs[i].numel():
-                off = self._seg_used[i]
-                self._seg_used[i] += size
-                return i, off
-        seg = torch.zeros(max(self._segment_bytes, size), dtype=torch.uint8)
-        self._segs.append(seg)
-        self._seg_ptrs.append(seg.data_ptr())
-        self._seg_used.append(size)
-        return len(self._segs) - 1, 0
-
-    def _release(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
-        with self._mu:
-            self._release_locked(seg, off, size, streams)
-
-    def _release_locked(self, seg: int, off: int, size: int, streams: set[SimStream] | None) -> None:
-        if streams:
-            pending = [(s, s.submitted) for s in streams if s.submitted > s.completed]
-            if pending:
-                self._deferred_frees.append((seg, off, size, pending))
-                return
-        self._free.setdefault(size, []).append((seg, off))
-
-    def _retire(self) -> None:
-        with self._mu:
-            self._retire_locked()
-
-    def _retire_locked(self) -> None:
-        keep = []
-        for item in self._deferred_frees:
-            seg, off, size, pending = item
-            if all(s.completed >= t for s, t in pending):
-                self._free.setdefault(size, []).append((seg, off))
-            else:
-                keep.append(item)
-        self._deferred_frees = keep
-
-    def _view(self, blk: _Block, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        n = 1
-        for d in shape:
-            n *= d
-        raw = self._segs[blk.seg][blk.offset : blk.offset + n * itemsize]
-        return raw.view(dtype).view(shape)
-
-    def _new(self, shape: tuple[int, ...], dtype: torch.dtype) -> SimTensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        n = 1
-        for d in shape:
-            n *= d
-        blk = self._alloc_block(n * itemsize)
-        out = self._view(blk, shape, dtype).as_subclass(SimTensor)
-        out._sim_block = blk
-        out._sim_rt = self
-        return out
-
-    def _alloc_copy(self, t: torch.Tensor) -> SimTensor:
-        out = self._new(tuple(t.shape), t.dtype)
-        with plain_tensor_calls():
-            out.copy_(t)
-        return out
+    @property
+    def blocks_reused(self) -> int:
+        return self.arena.blocks_reused
 
     @property
     def free_blocks(self) -> int:
-        return sum(len(v) for v in self._free.values())
+        return self.arena.free_blocks
 
     @property
     def deferred_blocks(self) -> int:
-        return len(self._deferred_frees)
+        return self.arena.deferred_blocks
 
     # ------------------------------------------------------------ runtime API
     def stream(self, name: str) -> SimStream:
         s = SimStream(self, name)
-        self._streams.append(s)
+        self.scheduler.streams.append(s)
         return s
 
-    @property
-    def _current(self) -> SimStream:
-        return getattr(self._tls, "stream", self._main)
-
     def current_stream(self) -> SimStream:
-        return self._current
+        return self.scheduler.current
 
     @contextlib.contextmanager
     def use(self, stream: SimStream) -> Iterator[SimStream]:
-        prev = self._current
-        self._tls.stream = stream
+        sched = self.scheduler
+        prev = sched.current
+        sched.current = stream
         try:
             yield stream
         finally:
-            self._tls.stream = prev
+            sched.current = prev
 
     def event(self, enable_timing: bool = False) -> SimEvent:
         return SimEvent(self, enable_timing)
@@ -404,7 +499,7 @@ class SimRuntime:
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         if not isinstance(tensor, SimTensor):
             return
-        blk = tensor._sim_block
+        blk = tensor.hicache_sim.block
         if blk is None or stream.is_main:
             return
         if blk.streams is None:
@@ -415,12 +510,12 @@ class SimRuntime:
     def is_device(self, tensor: torch.Tensor) -> bool:
         """A tensor in this runtime's arena (another ``SimRuntime``'s tensors are not: their
         offsets name another arena)."""
-        return isinstance(tensor, SimTensor) and tensor._sim_rt is self
+        return isinstance(tensor, SimTensor) and tensor.hicache_sim.runtime is self
 
     def to_device(self, tensor: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         if self.is_device(tensor):
             return tensor
-        return self.observers.moved(tensor, self._alloc_copy(tensor))
+        return self.observers.moved(tensor, self.arena.alloc_copy(tensor))
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, SimTensor):
@@ -431,15 +526,14 @@ class SimRuntime:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A persistent device buffer (pool storage); never returned to the arena."""
         out = torch.zeros(shape, dtype=dtype).as_subclass(SimTensor)
-        out._sim_block = None
-        out._sim_rt = self
+        out.hicache_sim = self.arena.buffer_info
         return out
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
     def launch(self, fn: Callable[..., None], *tensors: Any) -> None:
-        s = self._current
+        s = self.scheduler.current
         if s.is_main:
             with plain_tensor_calls():
                 fn(*[self._plain(t) for t in tensors])
@@ -471,7 +565,8 @@ class SimRuntime:
     def _capture(self, t: Any) -> Any:
         if not isinstance(t, SimTensor):
             return ("value", t)
-        if t._sim_rt is not self:
+        info = t.hicache_sim
+        if info.runtime is not self:
             raise ValueError("a sim device tensor of another SimRuntime cannot be used on this one's streams")
         with plain_tensor_calls():
             if t.is_neg() or t.is_conj():
@@ -480,26 +575,26 @@ class SimRuntime:
                     f"a sim device tensor with its {'negative' if t.is_neg() else 'conjugate'} bit set cannot be "
                     "captured for a side stream: the work would read the raw storage"
                 )
-        blk = t._sim_block
+        blk = info.block
         if blk is None:  # persistent buffer: long-lived, like a pool's storage
             return ("value", t.as_subclass(torch.Tensor))
         with plain_tensor_calls():
-            byte_off = t.data_ptr() - self._seg_ptrs[blk.seg]
+            byte_off = t.data_ptr() - blk.ptr + blk.offset  # from the start of the block's segment
             return ("arena", blk.seg, byte_off, tuple(t.shape), tuple(t.stride()), t.dtype)
 
     def _materialise(self, c: Any) -> Any:
         if c[0] == "value":
             return c[1]
         _, seg, byte_off, shape, stride, dtype = c
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self._segs[seg].view(dtype).as_strided(shape, stride, byte_off // itemsize)
+        return self.arena.strided(seg, byte_off, shape, stride, dtype)
 
     def synchronize(self) -> None:
-        if self._paused:
+        sched = self.scheduler
+        if sched.paused:
             raise RuntimeError("SimRuntime.synchronize() inside paused() would deadlock")
-        for s in self._streams:
+        for s in sched.streams:
             s.run_until(s.submitted)
-        self._retire()
+        self.arena.retire()
 
     def drain(self) -> None:
         self.synchronize()
@@ -509,20 +604,21 @@ class SimRuntime:
 
     def tensor_device(self, tensor: torch.Tensor) -> str:
         if isinstance(tensor, SimTensor):
-            return self.device if tensor._sim_rt is self else f"{self.device} of another SimRuntime"
+            return self.device if tensor.hicache_sim.runtime is self else f"{self.device} of another SimRuntime"
         return "cpu"
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Hold all side-stream work back: queries answer False until the block ends."""
-        prev, self._paused = self._paused, True
+        sched = self.scheduler
+        prev, sched.paused = sched.paused, True
         try:
             yield
         finally:
-            self._paused = prev
+            sched.paused = prev
 
     def pending_work(self) -> int:
-        return sum(len(s.queue) for s in self._streams)
+        return sum(len(s.queue) for s in self.scheduler.streams)
 
     def close(self) -> None:
-        self._closed = True
+        self.arena.closed = True

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hicache_obs.core import SimRuntime, SimTensor
+from hicache_obs.core.sim import sim_info
 
 
 def _gather(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> None:
@@ -89,7 +90,7 @@ def test_views_keep_their_base_block_alive():
     base = rt.to_device(torch.arange(8, dtype=torch.int64))
     view = base[2:5]
     assert isinstance(view, SimTensor) and rt.is_device(view)
-    assert view._sim_block is base._sim_block
+    assert sim_info(view).block is sim_info(base).block
     del base
     gc.collect()
     assert rt.free_blocks == 0, "the view still holds the block"
@@ -105,7 +106,7 @@ def test_ops_on_device_tensors_make_new_device_blocks():
     rt = SimRuntime()
     a = rt.to_device(torch.tensor([3, 1, 2], dtype=torch.int64))
     s = a.sort()  # keeps torch's named fields
-    assert isinstance(s.values, SimTensor) and s.values._sim_block is not a._sim_block
+    assert isinstance(s.values, SimTensor) and sim_info(s.values).block is not sim_info(a).block
     assert s.values.tolist() == [1, 2, 3] and s.indices.tolist() == [1, 2, 0]
     assert rt.is_device(s.indices)
     assert rt.blocks_allocated == 3
