@@ -1068,6 +1068,30 @@ class Installation:
     _parent_attrs: list[tuple[types.ModuleType, str, types.ModuleType]] = field(default_factory=list, repr=False)
     _modules: list[weakref.ReferenceType[types.ModuleType]] = field(default_factory=list, repr=False)
 
+    def remember_attr(self, parent: types.ModuleType, attr: str, module: types.ModuleType) -> None:
+        """Record that ``parent.attr`` was set to the stand-in ``module``, for :meth:`undo`."""
+        self._parent_attrs.append((parent, attr, module))
+
+    def remember_module(self, module: types.ModuleType) -> None:
+        """Record that ``module``'s op names were bound (the names are in :attr:`bound`), for
+        :meth:`undo`. Held weakly: a module that is gone has nothing left to unbind."""
+        self._modules.append(weakref.ref(module))
+
+    def undo(self) -> None:
+        """Take out what this installation put in, where it is still what it put there: its
+        stand-ins from ``sys.modules``, the attributes it set on their parents, the op names it
+        bound on modules. Whatever replaced one of them since is left alone."""
+        for name, module in self.stand_ins.items():
+            if sys.modules.get(name) is module:
+                del sys.modules[name]
+        for parent, attr, module in self._parent_attrs:
+            if vars(parent).get(attr) is module:
+                delattr(parent, attr)
+        for ref in self._modules:
+            target = ref()
+            if target is not None:
+                _unbind_names(target, self.bound.get(target.__name__, ()))
+
 
 _lock = threading.RLock()
 _installations: list[Installation] = []
@@ -1096,7 +1120,7 @@ def _put(name: str, module: types.ModuleType, installation: Installation) -> Non
     parent = sys.modules.get(parent_name) if parent_name else None
     if parent is not None and not hasattr(parent, attr):
         setattr(parent, attr, module)
-        installation._parent_attrs.append((parent, attr, module))
+        installation.remember_attr(parent, attr, module)
 
 
 def _install_kvcacheio(installation: Installation) -> None:
@@ -1176,7 +1200,7 @@ def install(modules: Iterable[types.ModuleType | str] = ()) -> Installation:
     for module in modules:
         target = importlib.import_module(module) if isinstance(module, str) else module
         installation.bound[target.__name__] = bind(target)
-        installation._modules.append(weakref.ref(target))
+        installation.remember_module(target)
     return installation
 
 
@@ -1185,16 +1209,7 @@ def uninstall(installation: Installation | None = None) -> None:
     with _lock:
         targets = list(_installations) if installation is None else [installation]
         for inst in targets:
-            for name, module in inst.stand_ins.items():
-                if sys.modules.get(name) is module:
-                    del sys.modules[name]
-            for parent, attr, module in inst._parent_attrs:
-                if vars(parent).get(attr) is module:
-                    delattr(parent, attr)
-            for ref in inst._modules:
-                target = ref()
-                if target is not None:
-                    _unbind_names(target, inst.bound.get(target.__name__, ()))
+            inst.undo()
             if inst in _installations:
                 _installations.remove(inst)
         if installation is None:
