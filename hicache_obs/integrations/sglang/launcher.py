@@ -27,6 +27,8 @@ import importlib.machinery
 import os
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,11 +157,13 @@ def _close_all() -> None:
 
 
 _DEPTH = "_hicache_obs_init_depth"
+# the __init__ wrappers _patch_class put on classes (weakly: a class that goes takes its own)
+_patched_inits: weakref.WeakSet[Callable[..., None]] = weakref.WeakSet()
 
 
 def _patch_class(cls: type) -> None:
     original = cls.__dict__.get("__init__")
-    if original is None or getattr(original, "_hicache_obs", False):
+    if original is None or original in _patched_inits:
         return
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -175,7 +179,7 @@ def _patch_class(cls: type) -> None:
         if depth == 0:  # the outermost __init__ (a subclass's) has finished
             instrument_new_controller(self)
 
-    __init__._hicache_obs = True  # type: ignore[attr-defined]
+    _patched_inits.add(__init__)
     __init__.__wrapped__ = original  # type: ignore[attr-defined]
     __init__.__doc__ = original.__doc__
     cls.__init__ = __init__  # type: ignore[misc]
