@@ -268,6 +268,11 @@ class _CudaEvent:
     def __init__(self, enable_timing: bool) -> None:
         self._ev = torch.cuda.Event(enable_timing=enable_timing)
 
+    @property
+    def raw(self) -> torch.cuda.Event:
+        """The ``torch.cuda.Event`` this wraps."""
+        return self._ev
+
     def record(self, stream: Any = None) -> None:
         self._ev.record(getattr(stream, "stream", stream))
 
@@ -282,7 +287,7 @@ class _CudaEvent:
 
     def elapsed_ns(self, end: DeviceEvent) -> int | None:
         try:
-            return int(self._ev.elapsed_time(end._ev) * 1e6)  # type: ignore[attr-defined]
+            return int(self._ev.elapsed_time(end.raw) * 1e6)  # type: ignore[attr-defined]
         except (RuntimeError, AttributeError):
             return None
 
