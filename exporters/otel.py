@@ -216,6 +216,11 @@ class _CountingExporter:
                 self.errors += 1
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
+    def settled_counts(self) -> tuple[int, int]:
+        """``(exported, failed)`` spans, read together under the lock ``export`` counts under."""
+        with self._lock:
+            return self.exported, self.failed
+
     def abort(self) -> None:
         """Shut the inner exporter down now: its retry backoff ends and later exports fail."""
         with self._lock:
@@ -354,9 +359,8 @@ class OtelSpanSink:
             self.provider.shutdown()
         finally:
             timer.cancel()
-        with ex._lock:
-            lost = self.spans_ended - ex.exported - ex.failed
-            self._lost_in_queue = max(0, lost)
+        exported, failed = ex.settled_counts()
+        self._lost_in_queue = max(0, self.spans_ended - exported - failed)
         if self.spans_dropped:
             _log.warning(
                 "otel: %d of %d spans not exported (%d failed exports)",
