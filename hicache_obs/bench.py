@@ -334,10 +334,10 @@ def bench_data_path(
 
             # the copy kernels alone, on the same pools and slots: what the data path would
             # reach with no controller work around the copies (its ceiling)
-            from .core.transfer import launch_backup
+            from .core.transfer import launch_backup, plan_runs
 
             hp, dp = c.host_pools["kv"], c.device_pools["kv"]
-            runs = c._runs_for(host, c._with_runs([("kv", host, kv)])[0][3])  # as the controller chooses
+            runs = plan_runs(c.io_backend, host, kv, c.runtime)  # as the controller chooses
 
             def kernel(
                 host: torch.Tensor = host,

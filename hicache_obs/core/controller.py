@@ -65,10 +65,11 @@ from .transfer import (
     IO_BACKENDS,
     CopyFault,
     check_kernel_indices,
+    host_pair_runs,
     launch_backup,
     launch_load_all,
     launch_load_layer,
-    tensor_pair_runs,
+    runs_for_copy,
 )
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
@@ -833,20 +834,12 @@ class HiCacheController:
     def _with_runs(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[_Pair]:
         """Each pair with its ``pair_runs`` when both index tensors' values are on the CPU
         (read once: the events and the copies share them), else ``None``."""
-        is_device = self.runtime.is_device
-        return [
-            (pool, h, d, None if is_device(h) or is_device(d) else tensor_pair_runs(h, d))
-            for pool, h, d in pairs
-        ]
+        rt = self.runtime
+        return [(pool, h, d, host_pair_runs(rt, h, d)) for pool, h, d in pairs]
 
     def _runs_for(self, host: torch.Tensor, runs: Any) -> Any:
-        """The runs a copy takes, or ``None`` for the index kernels (too fragmented for
-        torch's copies; the native loop takes runs of any length)."""
-        if runs is None:
-            return None
-        if self.io_backend == "direct" or self._native_copies or len(runs) * 4 <= host.numel():
-            return runs
-        return None
+        """The runs a copy takes, or ``None`` for the index kernels (see ``runs_for_copy``)."""
+        return runs_for_copy(self.io_backend, self._native_copies, host, runs)
 
     def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> _PendingAck:
         """Submit a moved op. Whatever fails from here on is this op's failure: an ack with

@@ -29,6 +29,9 @@ __all__ = [
     "check_kernel_indices",
     "pair_runs",
     "tensor_pair_runs",
+    "host_pair_runs",
+    "runs_for_copy",
+    "plan_runs",
     "launch_backup",
     "launch_load_layer",
     "launch_load_all",
@@ -65,6 +68,34 @@ def pair_runs(host: Any, device: Any) -> Runs3:
 def tensor_pair_runs(host: torch.Tensor, device: torch.Tensor) -> Runs3:
     """:func:`pair_runs` of two CPU index tensors, read in place through numpy views."""
     return pair_runs_of(host.numpy(), device.numpy())  # type: ignore[return-value]  # int64: no grad
+
+
+def host_pair_runs(runtime: Runtime, host: torch.Tensor, device: torch.Tensor) -> Runs3 | None:
+    """:func:`tensor_pair_runs` of a pair of index tensors whose values are on the CPU, or
+    ``None`` when either is one of ``runtime``'s device tensors (the host never reads those)."""
+    if runtime.is_device(host) or runtime.is_device(device):
+        return None
+    return tensor_pair_runs(host, device)
+
+
+def runs_for_copy(io_backend: str, native: bool, host: torch.Tensor, runs: Runs3 | None) -> Runs3 | None:
+    """The runs a copy takes (``runs``: the pair's :func:`host_pair_runs`), or ``None`` for the
+    index kernels. ``direct`` and the native loop (``native``: the runtime has ``native_copies``)
+    take runs of any length; ``kernel`` on torch's copies takes them only when they are few (at
+    most a quarter of the slots): fragmented runs are slower as slices than as one index kernel."""
+    if runs is None:
+        return None
+    if io_backend == "direct" or native or len(runs) * 4 <= host.numel():
+        return runs
+    return None
+
+
+def plan_runs(io_backend: str, host: torch.Tensor, device: torch.Tensor, runtime: Runtime) -> Runs3 | None:
+    """The runs the controller's copy of this index pair takes on ``runtime`` with ``io_backend``:
+    :func:`runs_for_copy` of its :func:`host_pair_runs`. The controller makes the two steps apart,
+    since its events describe the pair by the runs of the first."""
+    native = getattr(runtime, "native_copies", None) is not None
+    return runs_for_copy(io_backend, native, host, host_pair_runs(runtime, host, device))
 
 
 class CopyFault:
