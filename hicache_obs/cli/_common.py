@@ -45,7 +45,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _fill_text(self, text: str, width: int, indent: str) -> str:
         if "\n" in text.strip():
             return super()._fill_text(text, width, indent)
-        return argparse.HelpFormatter._fill_text(self, text, width, indent)
+        # past the raw formatter in the MRO: HelpFormatter's wrapping
+        return super(argparse.RawDescriptionHelpFormatter, self)._fill_text(text, width, indent)
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         # names such as unrecorded-pool-indices stay whole
