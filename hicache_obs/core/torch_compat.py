@@ -11,8 +11,9 @@ alone, and ``grep torch_compat`` lists every place that depends on them.
 - :data:`no_torch_function`: a context manager under which every
   ``__torch_function__`` mode and override is skipped (``torch._C.DisableTorchFunction``),
   for reading a tensor the caller handed over without running the caller's hooks.
-- :data:`true_device`: ``true_device(t)`` is the device of ``t``'s storage, read past
-  whatever a subclass's ``device`` property answers (``torch._C.TensorBase.device``'s getter).
+- :data:`true_is_cpu`: ``true_is_cpu(t)`` says whether ``t``'s storage is on the CPU, read
+  past whatever a subclass's ``is_cpu`` or ``device`` property answers
+  (``torch._C.TensorBase.is_cpu``'s getter).
 - :data:`TensorBase`: the C base class of ``torch.Tensor``; its methods (``record_stream``
   among them) are what a call on a tensor reaches when ``torch.Tensor`` does not override it.
 """
@@ -20,13 +21,13 @@ alone, and ``grep torch_compat`` lists every place that depends on them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch._C import DisableTorchFunction, DisableTorchFunctionSubclass, TensorBase
 
-__all__ = ["plain_tensor_calls", "no_torch_function", "true_device", "TensorBase"]
+__all__ = ["plain_tensor_calls", "no_torch_function", "true_is_cpu", "TensorBase"]
 
 plain_tensor_calls = DisableTorchFunctionSubclass
 no_torch_function = DisableTorchFunction
-true_device: Callable[[torch.Tensor], Any] = TensorBase.device.__get__
+# mypy types TensorBase.is_cpu as a bool, not as the attribute descriptor it is
+true_is_cpu: Callable[[torch.Tensor], bool] = TensorBase.is_cpu.__get__  # type: ignore[attr-defined]

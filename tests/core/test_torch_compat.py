@@ -6,13 +6,17 @@ from typing import Any
 
 import torch
 
-from hicache_obs.core.torch_compat import TensorBase, no_torch_function, plain_tensor_calls, true_device
+from hicache_obs.core.torch_compat import TensorBase, no_torch_function, plain_tensor_calls, true_is_cpu
 
 
 class _Loud(torch.Tensor):
     """A subclass that says it is on CUDA and counts the calls its override sees."""
 
     calls = 0
+
+    @property  # type: ignore[misc]
+    def is_cpu(self) -> bool:  # type: ignore[override]
+        return False
 
     @property  # type: ignore[misc]
     def device(self) -> torch.device:  # type: ignore[override]
@@ -24,10 +28,10 @@ class _Loud(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-def test_true_device_reads_the_storage_past_a_subclass_device_property() -> None:
+def test_true_is_cpu_reads_the_storage_past_a_subclass_device_property() -> None:
     t = torch.arange(3).as_subclass(_Loud)
-    assert t.device == torch.device("cuda", 3)
-    assert true_device(t) == torch.device("cpu")
+    assert t.device == torch.device("cuda", 3) and t.is_cpu is False
+    assert true_is_cpu(t) is True
 
 
 def test_the_two_blocks_skip_a_subclass_override() -> None:
