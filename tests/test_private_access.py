@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("hicache_obs", "exporters")
 #: the SLF001 count of ``ruff check --select SLF001 hicache_obs exporters``; lower it as accesses go
-LIMIT = 39
+LIMIT = 34
 
 
 def _ruff() -> str:

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from ..._compiled import runs_of
+from ...core.torch_compat import no_torch_function, true_is_cpu
 from ...events.schema import TensorRef
 
 __all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_ref"]
 
-NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-_TRUE_IS_CPU = torch._C.TensorBase.is_cpu.__get__  # type: ignore[attr-defined]  # the storage's device, whatever a subclass reports
+NO_TORCH_FUNCTION = no_torch_function
+_TRUE_IS_CPU = true_is_cpu  # the storage's device, whatever a subclass reports
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
 _INT64 = np.dtype(np.int64)
 

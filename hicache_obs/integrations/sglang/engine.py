@@ -48,6 +48,7 @@ from ...core.operations import PoolTransfer
 from ...core.policy import WritePolicy
 from ...core.runtime import Runtime
 from ...core.spec import ModelSpec, PlaneSpec
+from ...core.torch_compat import plain_tensor_calls
 from ...errors import ConfigError, IntegrationError
 from ...events.log import EventLog
 from ...events.schema import (
@@ -82,7 +83,7 @@ ENGINE_RUNTIME = "cpu"
 #: The models the SGLang harness builds (KV, KV + Mamba).
 ENGINE_MODELS = ("tiny", "tiny_hybrid")
 
-_PLAIN = torch._C.DisableTorchFunctionSubclass
+_PLAIN = plain_tensor_calls
 
 
 # ---------------------------------------------------------------- options

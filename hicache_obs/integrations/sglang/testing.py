@@ -41,13 +41,14 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ...core.spec import ModelSpec
+from ...core.torch_compat import TensorBase, plain_tensor_calls
 from ...errors import ConfigError, IntegrationError
 
 __all__ = ["CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version"]
 
 _CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
-_PLAIN = torch._C.DisableTorchFunctionSubclass
+_PLAIN = plain_tensor_calls
 _prepared = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -67,7 +68,7 @@ class CudaStandIn(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
         kwargs = kwargs or {}
-        if func is torch.Tensor.record_stream or func is torch._C.TensorBase.record_stream:
+        if func is torch.Tensor.record_stream or func is TensorBase.record_stream:
             return None  # the CPU stream has nothing to hold the memory for
         if func is torch.Tensor.cpu or (func is torch.Tensor.to and _target(args[1:], kwargs) == "cpu"):
             with _PLAIN():
