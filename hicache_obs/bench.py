@@ -33,6 +33,8 @@ from typing import Any
 import msgspec
 import torch
 
+from . import _native
+
 __all__ = [
     "Ratio",
     "ratio_of_times",
@@ -869,6 +871,8 @@ def run_bench(
             "torch": torch.__version__,
             "python": platform.python_version(),
             "platform": platform.platform(),
+            # what each native piece ran on: "c" (compiled) or "py" (its pure twin)
+            "implementations": dict(_native.IMPLEMENTATIONS),
         },
         "quick": quick,
     }

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from .._compiled import runs_of
-from .._compiled import side_runs as _side_runs  # one side (0 host, 1 device) of pair runs, joined
+from .._native import runs_of
+from .._native import side_runs as _side_runs  # one side (0 host, 1 device) of pair runs, joined
 from ..errors import (
     ConfigError,
     ControllerClosedError,

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .. import _native
 from ..errors import ConfigError, RuntimeUnavailableError
 
 __all__ = [
@@ -192,8 +193,10 @@ def native_copy_loop() -> Any:
 class CpuRuntime:
     """Synchronous runtime: streams are names, events are always complete.
 
-    Copies of whole runs go through the compiled loop of :func:`native_copy_loop`
-    (``native_copies``); the other runtimes have none and copy with torch.
+    Copies of whole runs go through the compiled loop ``hicache_obs._copy``
+    (``native_copies``) where :mod:`hicache_obs._native` chose it; otherwise
+    ``native_copies`` is ``None`` and the cpu runtime copies with the torch kernels of
+    :mod:`hicache_obs.core.transfer`, as the other runtimes do.
     """
 
     name = "cpu"
@@ -205,7 +208,7 @@ class CpuRuntime:
         self.observers = CallObservers()
         self._main = _CpuStream("main")
         self._tls = threading.local()  # the current stream is per thread
-        self.native_copies = native_copy_loop()
+        self.native_copies: Any = _native.copy  # None: the torch kernels
 
     def stream(self, name: str) -> _CpuStream:
         return _CpuStream(name)

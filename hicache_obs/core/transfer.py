@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._compiled import pair_runs_of
+from .._native import pair_runs_of
 from ..errors import IndexNotOnDeviceError, InvalidIndicesError, LengthMismatchError
 from .pools import DevicePool, HostPool
 from .runtime import Runtime

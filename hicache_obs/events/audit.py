@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from .._compiled import runs_of as _runs_of
+from .._native import runs_of as _runs_of
 from .schema import (
     EVENT_TYPES,
     AuditViolation,

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .._compiled import LogCore  # a ConfigError here if it is not built
+from .._native import LogCore  # compiled, or a ConfigError (hicache_obs._native)
 from ..errors import ConfigError, SequenceError
 from .schema import Event
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from .._compiled import gap_free_run
+from .._native import gap_free_run
 from ..errors import LogFormatError, SequenceError, UnsupportedLogVersionError
 from .schema import LOG_FORMAT, READABLE_VERSIONS, AnyEvent, Event
 from .state import CacheState, PoolLimits, fold

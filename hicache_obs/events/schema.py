@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from .._compiled import runs_of as _runs_of
+from .._native import runs_of as _runs_of
 
 __all__ = [
     "Runs",

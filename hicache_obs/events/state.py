@@ -29,8 +29,8 @@ from itertools import islice
 from operator import itemgetter
 from typing import Any
 
-from .._compiled import SlotMap  # a ConfigError here if it is not built
-from .._compiled import runs_of as _runs_of
+from .._native import SlotMap  # compiled or its pure twin (hicache_obs._native)
+from .._native import runs_of as _runs_of
 from ..errors import LogLimitError
 from .schema import (
     D2H,

@@ -1,0 +1,158 @@
+"""The compiled accelerators and their pure-Python twins, chosen in one place.
+
+Three pieces are written in C, each an accelerator of a pure path that does the same:
+
+- ``logcore`` (``hicache_obs/_logcore.c``): ``EventLog.emit``, the hand-off to a sink
+  host's pipe, the replay's seq check (:func:`gap_free_run`). It has no pure twin yet:
+  forcing it pure is a :class:`~hicache_obs.errors.ConfigError`.
+- ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`) and the
+  run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
+  :func:`side_runs`); twin: ``hicache_obs/events/_slots_py.py``.
+- ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
+  of ``hicache_obs/core/transfer.py`` (:data:`copy` is then ``None``).
+
+Each piece is the C module when it imports, else its twin (a DEBUG line on the
+``hicache_obs.native`` logger says why). Two environment variables, read once at import:
+
+- ``HICACHE_OBS_NO_EXTENSIONS``: ``1`` runs every piece pure; a comma-separated list of
+  piece names (``slots,copy``) those pieces; unset, empty or ``0`` none.
+- ``HICACHE_OBS_REQUIRE_EXTENSIONS=1``: a piece whose C module does not import is a
+  :class:`~hicache_obs.errors.ConfigError` instead of a fallback (CI and ``make bench``).
+
+Any other value of either is a :class:`~hicache_obs.errors.ConfigError` naming it.
+:data:`IMPLEMENTATIONS` records what each piece runs on (``"c"`` or ``"py"``);
+``hicache-obs bench --json`` reports it under ``machine``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "NO_EXTENSIONS_ENV",
+    "PIECES",
+    "REQUIRE_EXTENSIONS_ENV",
+    "LogCore",
+    "SlotMap",
+    "copy",
+    "gap_free_run",
+    "pair_runs_of",
+    "runs_of",
+    "side_runs",
+]
+
+NO_EXTENSIONS_ENV = "HICACHE_OBS_NO_EXTENSIONS"
+REQUIRE_EXTENSIONS_ENV = "HICACHE_OBS_REQUIRE_EXTENSIONS"
+#: the pieces, each named by its C module without the leading underscore
+PIECES = ("logcore", "slots", "copy")
+#: the pure twin of each piece ("" for the torch kernels of core/transfer.py; None: none yet)
+_TWINS: dict[str, str | None] = {"logcore": None, "slots": "hicache_obs.events._slots_py", "copy": ""}
+
+_log = logging.getLogger("hicache_obs.native")
+
+
+def forced_pure(value: str | None) -> frozenset[str]:
+    """The pieces a value of ``HICACHE_OBS_NO_EXTENSIONS`` runs pure."""
+    v = (value or "").strip()
+    if v in ("", "0"):
+        return frozenset()
+    if v == "1":
+        return frozenset(PIECES)
+    names = [n.strip() for n in v.split(",")]
+    unknown = [n for n in names if n not in PIECES]
+    if unknown:
+        raise ConfigError(
+            f"{NO_EXTENSIONS_ENV}={value!r}: unknown piece {unknown[0]!r}; the value is 1 (every piece), "
+            f"0 or empty (none), or a comma-separated list of {', '.join(PIECES)}"
+        )
+    return frozenset(names)
+
+
+def required(value: str | None) -> bool:
+    """Whether a value of ``HICACHE_OBS_REQUIRE_EXTENSIONS`` requires every C module."""
+    v = (value or "").strip()
+    if v not in ("", "0", "1"):
+        raise ConfigError(f"{REQUIRE_EXTENSIONS_ENV}={value!r}: the value is 1 (require every C module), 0 or empty")
+    return v == "1"
+
+
+def choose(environ: Any = os.environ) -> tuple[dict[str, str], dict[str, ModuleType | None]]:
+    """``(implementations, modules)``: ``"c"``/``"py"`` per piece and the module it runs on
+    (the C module, the pure twin, or ``None`` for the torch copies)."""
+    pure = forced_pure(environ.get(NO_EXTENSIONS_ENV))
+    need = required(environ.get(REQUIRE_EXTENSIONS_ENV))
+    if need and pure:
+        raise ConfigError(
+            f"{REQUIRE_EXTENSIONS_ENV}=1 with {NO_EXTENSIONS_ENV}={environ.get(NO_EXTENSIONS_ENV)!r}: "
+            f"{', '.join(p for p in PIECES if p in pure)} cannot be both required compiled and forced pure"
+        )
+    impls: dict[str, str] = {}
+    mods: dict[str, ModuleType | None] = {}
+    for piece in PIECES:
+        twin = _TWINS[piece]
+        if piece not in pure:
+            try:
+                mods[piece] = importlib.import_module(f"hicache_obs._{piece}")
+                impls[piece] = "c"
+                continue
+            except ImportError as exc:
+                if need or twin is None:
+                    why = f"{REQUIRE_EXTENSIONS_ENV}=1" if need else "it has no pure-Python twin"
+                    raise ConfigError(
+                        f"hicache_obs._{piece} is not built ({exc}) and {why}: install the package with a C "
+                        "compiler present (make venv, or pip install -e .)"
+                    ) from None
+                _log.debug("hicache_obs._%s is not built (%s): running its pure-Python twin", piece, exc)
+        elif twin is None:
+            raise ConfigError(
+                f"{NO_EXTENSIONS_ENV}={environ.get(NO_EXTENSIONS_ENV)!r} forces {piece} pure, but "
+                f"hicache_obs._{piece} has no pure-Python twin yet: leave {piece} out of the list"
+            )
+        mods[piece] = _load_twin(twin) if twin else None
+        impls[piece] = "py"
+    return impls, mods
+
+
+def _load_twin(name: str) -> ModuleType:
+    """The pure twin ``name``, loaded from its file without running its package's
+    ``__init__`` (``hicache_obs.events`` imports this module: importing the package from
+    here would be a cycle). The twins import nothing of ``hicache_obs.events``."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.joinpath(*name.split(".")[1:]).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+_impls, _mods = choose()
+#: what each piece runs on: ``{"logcore": "c" | "py", "slots": ..., "copy": ...}``
+IMPLEMENTATIONS: dict[str, str] = _impls
+
+_logcore: Any = _mods["logcore"]
+_slots: Any = _mods["slots"]
+LogCore = _logcore.LogCore
+gap_free_run = _logcore.gap_free_run
+SlotMap = _slots.SlotMap
+runs_of = _slots.runs_of
+pair_runs_of = _slots.pair_runs_of
+side_runs = _slots.side_runs
+#: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
+copy: ModuleType | None = _mods["copy"]

@@ -1,0 +1,553 @@
+"""The slot maps and run-length encoding in pure Python (numpy for buffers): the
+specification ``hicache_obs/_slots.c`` is tested against, and what runs where it is
+not built or ``HICACHE_OBS_NO_EXTENSIONS`` names ``slots`` (see ``hicache_obs._native``).
+
+Everything the C module exports, with the same results, state and errors, hostile
+input included (``tests/native/test_differential_slots.py`` compares the two):
+
+- ``SlotMap(capacity, page_size=1, track_pages=True)``: one byte per slot, 1 allocated,
+  in an anonymous ``mmap`` (pages never touched cost no memory, as the C ``calloc``);
+  per page the allocated slots (a dict of the pages in use); the free list the
+  allocator takes pages from: the never-used pages from ``fresh`` upwards, less the
+  ``holes`` (pages above ``fresh`` taken out of order, and those freed again, which are
+  listed below), then the freed pages in the order they were freed (an insertion-ordered
+  dict: O(1) removal). Without ``track_pages`` only the bytes exist (what the auditor
+  needs).
+- Runs are ``((start, length), ...)``. A run that lies (partly) out of range, or has a
+  length <= 0, changes nothing and reports a few of its slots; slots that already were
+  in the state asked for are reported and skipped, the others applied.
+- ``runs_of`` / ``pair_runs_of`` / ``side_runs``: the runs of index values (lists, or
+  1-D integer buffers such as numpy views of index tensors).
+
+It imports nothing of ``hicache_obs.events`` (``hicache_obs._native`` loads it while
+that package is being imported).
+"""
+
+from __future__ import annotations
+
+import mmap
+import operator
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SlotMap", "pair_runs_of", "runs_of", "side_runs"]
+
+_MIN = -(1 << 63)
+_MAX = (1 << 63) - 1
+_CAP_MAX = 1 << 31
+_ONE = b"\x01"
+_ZERO = b"\x00"
+_index = operator.index
+
+
+def _ll(v: Any) -> int:
+    """``v`` as a C long long, as the C argument parsing takes it (``__index__``, then a range check)."""
+    x = v if type(v) is int else _index(v)
+    if not _MIN <= x <= _MAX:
+        raise OverflowError("int too big to convert")
+    return x
+
+
+def _run_error(item: Any) -> TypeError:
+    return TypeError(f"a run is a (start, length) pair, got {item!r}")
+
+
+class SlotMap:
+    """Which slots of a pool are allocated, and the FIFO order of its free pages."""
+
+    __slots__ = ("_cap", "_ps", "_npages", "_used", "_fresh", "_n", "_track", "_a", "_page_used", "_holes", "_freed")
+    _a: Any  # an mmap, or None before __init__
+    _page_used: dict[int, int]
+    _holes: set[int]
+    _freed: dict[int, None]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SlotMap:
+        self = super().__new__(cls)
+        self._a = None  # set by __init__: every method refuses a map it has not set up
+        self._cap = self._ps = self._npages = self._used = self._fresh = self._n = 0
+        self._track = False
+        self._page_used = {}
+        self._holes = set()
+        self._freed = {}
+        return self
+
+    def __init__(self, capacity: int, page_size: int = 1, track_pages: bool = True) -> None:
+        capacity = _ll(capacity)
+        page_size = _ll(page_size)
+        track = bool(track_pages)
+        if capacity < 0 or capacity > _CAP_MAX:
+            raise ValueError(f"capacity must be in 0..{_CAP_MAX}, got {capacity}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self._cap = capacity
+        self._ps = page_size
+        self._npages = capacity // page_size if track else 0
+        self._track = track
+        self._used = self._fresh = 0
+        self._n = self._npages  # pages on the free list
+        self._a = mmap.mmap(-1, capacity + 1)  # zero pages, backed only once written
+        self._page_used = {}  # page -> allocated slots (page_size > 1), 0 left out
+        self._holes = set()
+        self._freed = {}  # the freed pages, in the order freed
+
+    # ------------------------------------------------------------ counters
+    @property
+    def capacity(self) -> int:
+        """slots in the pool"""
+        return self._cap
+
+    @property
+    def page_size(self) -> int:
+        """slots per page"""
+        return self._ps
+
+    @property
+    def used(self) -> int:
+        """allocated slots"""
+        return self._used
+
+    @property
+    def free_pages(self) -> int:
+        """pages on the free list"""
+        return self._n
+
+    @property
+    def available(self) -> int:
+        """free pages times the page size"""
+        return self._n * self._ps
+
+    def _ready(self) -> Any:
+        a = self._a
+        if a is None:
+            raise RuntimeError("SlotMap.__init__ did not run")
+        return a
+
+    # ------------------------------------------------------------ free list
+    def _take(self, p: int) -> None:
+        """Page ``p`` was allocated: it leaves the free list (nothing if it was not on it)."""
+        if p < 0 or p >= self._npages:
+            return
+        freed, holes = self._freed, self._holes
+        if p in freed:
+            del freed[p]
+            self._n -= 1
+            if p == self._fresh:
+                self._advance_fresh()
+            elif p > self._fresh:  # allocated above the fresh pages again: a hole once more
+                holes.add(p)
+        elif p == self._fresh:
+            self._n -= 1
+            self._advance_fresh()
+        elif p > self._fresh and p not in holes:
+            holes.add(p)
+            self._n -= 1
+
+    def _advance_fresh(self) -> None:
+        """The page at ``fresh`` was allocated: move past it and past the holes above it."""
+        self._fresh += 1
+        holes = self._holes
+        while holes and self._fresh < self._npages and self._fresh in holes:
+            holes.remove(self._fresh)
+            self._fresh += 1
+
+    def _push(self, p: int) -> None:
+        """Page ``p`` became free: it joins the back of the list (nothing if it was free)."""
+        if p < 0 or p >= self._npages:
+            return
+        freed, holes = self._freed, self._holes
+        if p in freed or (p >= self._fresh and p not in holes):
+            return
+        holes.discard(p)
+        freed[p] = None
+        self._n += 1
+
+    # ------------------------------------------------------------------ runs
+    def _each_run(self, runs: Any, fn: Any) -> list[int]:
+        self._ready()
+        seq: tuple[Any, ...] | None = runs if type(runs) is tuple else None
+        if seq is None:
+            if _is_sequence(runs):
+                try:
+                    seq = tuple(runs)
+                except TypeError:
+                    seq = None
+            if seq is None:
+                raise TypeError("runs must be a sequence of (start, length) pairs")
+        bad: list[int] = []
+        cap = self._cap
+        for item in seq:
+            try:
+                pair = tuple(item)
+            except TypeError:
+                raise _run_error(item) from None
+            if len(pair) != 2:
+                raise _run_error(item)
+            s, n = pair
+            s = s if type(s) is int else _index(s)
+            n = n if type(n) is int else _index(n)
+            if s < 0 or n <= 0 or s + n > cap:  # (partly) outside: a few of its slots
+                bad.extend(s + i for i in range(1 if n < 1 else min(n, 8)))
+                continue
+            fn(s, n, bad)
+        return bad
+
+    def _alloc_run(self, start: int, length: int, bad: list[int]) -> None:
+        a = self._a
+        end = start + length
+        ps, track, pu = self._ps, self._track, self._page_used
+        if a.find(_ONE, start, end) < 0:  # the normal case: every slot was free
+            a[start:end] = _ONE * length
+            self._used += length
+            if not track:
+                return
+            if ps == 1:
+                for p in range(start, end):
+                    self._take(p)
+            elif start % ps == 0 and length % ps == 0:  # whole pages
+                for p in range(start // ps, end // ps):
+                    pu[p] = ps
+                    self._take(p)
+            else:
+                npages = self._npages
+                for s in range(start, end):
+                    p = s // ps
+                    if p < npages:
+                        pu[p] = pu.get(p, 0) + 1
+                    self._take(p)
+            return
+        for s in range(start, end):  # some slots already allocated: slot by slot
+            if a[s]:
+                bad.append(s)
+                continue
+            a[s] = 1
+            self._used += 1
+            if not track:
+                continue
+            p = s // ps
+            if ps > 1 and p < self._npages:
+                pu[p] = pu.get(p, 0) + 1
+            self._take(p)
+
+    def _free_slot_page(self, s: int) -> None:
+        ps = self._ps
+        if ps == 1:
+            self._push(s)
+            return
+        p = s // ps
+        pu = self._page_used
+        k = pu.get(p, 0)
+        if p < self._npages and k:
+            if k == 1:
+                del pu[p]
+                self._push(p)
+            else:
+                pu[p] = k - 1
+
+    def _free_run(self, start: int, length: int, bad: list[int]) -> None:
+        a = self._a
+        end = start + length
+        ps, track = self._ps, self._track
+        if a.find(_ZERO, start, end) < 0:  # the normal case: every slot was allocated
+            a[start:end] = bytes(length)
+            self._used -= length
+            if not track:
+                return
+            if ps > 1 and start % ps == 0 and length % ps == 0:  # whole pages
+                pu = self._page_used
+                for p in range(start // ps, end // ps):
+                    pu.pop(p, None)
+                    self._push(p)
+                return
+            for s in range(start, end):
+                self._free_slot_page(s)
+            return
+        for s in range(start, end):
+            if not a[s]:
+                bad.append(s)
+                continue
+            a[s] = 0
+            self._used -= 1
+            if track:
+                self._free_slot_page(s)
+
+    def _check_run(self, start: int, length: int, bad: list[int]) -> None:
+        a = self._a
+        end = start + length
+        if a.find(_ZERO, start, end) < 0:
+            return
+        bad.extend(s for s in range(start, end) if not a[s])
+
+    def apply_alloc(self, runs: Any, /) -> list[int]:
+        """Mark the slots of runs allocated; returns those that already were, or are out of range."""
+        return self._each_run(runs, self._alloc_run)
+
+    def apply_free(self, runs: Any, /) -> list[int]:
+        """Mark the slots of runs free (a page whose slots are all free rejoins the back of the
+        free list); returns those that were not allocated, or are out of range."""
+        return self._each_run(runs, self._free_run)
+
+    def unallocated(self, runs: Any, /) -> list[int]:
+        """Slots among runs that are out of range or not allocated."""
+        return self._each_run(runs, self._check_run)
+
+    def is_allocated(self, slot: int, /) -> bool:
+        """Whether one slot is allocated."""
+        a = self._ready()
+        s = slot if type(slot) is int else _index(slot)
+        return 0 <= s < self._cap and a[s] == 1
+
+    def _first_pages(self, k: int) -> list[int]:
+        """The first k pages of the free list, in the order the allocator takes them."""
+        out: list[int] = []
+        holes, freed = self._holes, self._freed
+        p, npages = self._fresh, self._npages
+        while len(out) < k and p < npages:
+            if p not in holes and p not in freed:  # taken out of order, or freed after that: listed below
+                out.append(p)
+            p += 1
+        for q in freed:
+            if len(out) >= k:
+                break
+            out.append(q)
+        return out
+
+    def peek(self, n_pages: int, /) -> list[int]:
+        """The pages the next allocation of n pages would take (FIFO order)."""
+        self._ready()
+        if not self._track:
+            raise TypeError("peek() needs a SlotMap that tracks pages")
+        if not hasattr(type(n_pages), "__index__"):
+            raise TypeError(f"peek() takes a number of pages (int), got {type(n_pages).__name__:.100}")
+        k = n_pages if type(n_pages) is int else _index(n_pages)
+        if k < 0:
+            raise ValueError(f"peek of {n_pages!r} pages: the number of pages must be >= 0")
+        n = self._n
+        if k > n:
+            raise ValueError(f"peek of {n_pages!r} pages with {n} free")
+        return self._first_pages(k)
+
+    def free_order(self) -> list[int]:
+        """Every free page, in the order they are taken."""
+        self._ready()
+        return self._first_pages(self._n) if self._track else []
+
+    def allocated_runs(self) -> tuple[tuple[int, int], ...]:
+        """The allocated slots as (start, length) runs."""
+        a = self._ready()
+        out: list[tuple[int, int]] = []
+        cap, s = self._cap, 0
+        while s < cap:
+            start = a.find(_ONE, s, cap)
+            if start < 0:
+                break
+            end = a.find(_ZERO, start, cap)
+            if end < 0:
+                end = cap
+            out.append((start, end - start))
+            s = end
+        return tuple(out)
+
+
+def _is_sequence(obj: Any) -> bool:
+    """``PySequence_Check``: an object whose type has ``__getitem__``, a dict excepted."""
+    return not isinstance(obj, dict) and hasattr(type(obj), "__getitem__")
+
+
+# ------------------------------------------------------- run-length encoding
+_SIGNED = frozenset("bhilq")
+_UNSIGNED = frozenset("BHILQ")
+
+
+class _Values:
+    """The values of a list/tuple of ints, or of a 1-D integer buffer, read one at a time
+    in order (``get``), or all at once as int64 (``array``, for buffers)."""
+
+    __slots__ = ("seq", "live", "arr", "n", "unsigned64")
+
+    def __init__(self, obj: Any, what: str) -> None:
+        self.seq: Any = None
+        self.live = False  # seq is the caller's own list: a value's __index__ may change it
+        self.arr: Any = None
+        self.unsigned64 = False
+        if not isinstance(obj, (bytes, bytearray)):
+            try:
+                view = memoryview(obj)
+            except TypeError:
+                view = None
+            if view is not None:
+                fmt = view.format or "B"
+                f = fmt[1:] if fmt[:1] in ("@", "=") else fmt
+                if len(f) != 1 or view.ndim > 1 or f not in _SIGNED | _UNSIGNED:
+                    raise TypeError(
+                        f"{what}: a 1-D buffer of integers is needed, got format {fmt} with {view.ndim} dimensions"
+                    )
+                arr = np.asarray(view)
+                self.arr = arr.reshape(1) if view.ndim == 0 else arr
+                self.unsigned64 = f in _UNSIGNED and view.itemsize == 8
+                self.n = len(self.arr)
+                return
+        if isinstance(obj, (list, tuple)):
+            self.seq = obj
+            self.live = type(obj) is not tuple
+        else:
+            try:
+                it = iter(obj)
+            except TypeError:
+                raise TypeError("a sequence of ints or a 1-D integer buffer is needed") from None
+            self.seq = list(it)
+        self.n = len(self.seq)
+
+    def plain(self, n: int) -> list[int] | None:
+        """The first n values as plain ints when reading them can run no code (every one an
+        exact int in range), else None."""
+        seq = self.seq
+        if seq is None:
+            return None
+        head = seq[:n]
+        if all(type(x) is int for x in head) and (not head or (_MIN <= min(head) and max(head) <= _MAX)):
+            return head
+        return None
+
+    def array(self, n: int) -> Any:
+        """The first n values of a buffer as int64."""
+        a = self.arr[:n]
+        if self.unsigned64 and n and int(a.max()) > _MAX:
+            raise OverflowError("an index value does not fit in 64 bits")
+        return a.astype(np.int64, copy=False)
+
+    def get(self, i: int) -> int:
+        if self.seq is None:
+            x = int(self.arr[i])
+            if x > _MAX:
+                raise OverflowError("an index value does not fit in 64 bits")
+            return x
+        seq = self.seq
+        if self.live and i >= len(seq):  # an __index__ shrank the list
+            raise RuntimeError("the values changed size while they were read")
+        item = seq[i]
+        x = item if type(item) is int else _index(item)
+        if not _MIN <= x <= _MAX:
+            raise OverflowError("an index value does not fit in 64 bits")
+        return x
+
+
+def _starts(a: Any) -> Any:
+    """Where a new run starts in an int64 array: not ``previous + 1`` (no wrap past 2^63 - 1)."""
+    brk = np.ones(len(a), dtype=bool)
+    if len(a) > 1:
+        prev = a[:-1]
+        with np.errstate(over="ignore"):
+            brk[1:] = (a[1:] != prev + 1) | (prev == _MAX)
+    return np.flatnonzero(brk)
+
+
+def _runs_of_list(vals: list[int]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    if not vals:
+        return ()
+    start = prev = vals[0]
+    for x in vals[1:]:
+        if x == prev + 1 and prev != _MAX:
+            prev = x
+            continue
+        out.append((start, prev - start + 1))
+        start = prev = x
+    out.append((start, prev - start + 1))
+    return tuple(out)
+
+
+def runs_of(values: Any, /) -> tuple[tuple[int, int], ...]:
+    """((start, length), ...) of consecutive values, from a sequence of ints or a 1-D integer
+    buffer: ``[3, 4, 5, 9]`` -> ``((3, 3), (9, 1))``."""
+    v = _Values(values, "runs_of")
+    n = v.n
+    if v.seq is None:
+        a = v.array(n)
+        if not n:
+            return ()
+        st = _starts(a)
+        ends = np.append(st[1:], n)
+        return tuple(zip(a[st].tolist(), (ends - st).tolist()))
+    head = v.plain(n)
+    if head is not None:
+        return _runs_of_list(head)
+    return _runs_of_list([v.get(i) for i in range(n)])
+
+
+def pair_runs_of(host: Any, device: Any, /) -> tuple[tuple[int, int, int], ...]:
+    """((host_start, device_start, length), ...) of index pairs consecutive on both sides;
+    as zip(), up to the shorter side (the longer side's extra values are not read)."""
+    h = _Values(host, "pair_runs_of host")
+    d = _Values(device, "pair_runs_of device")
+    n = min(h.n, d.n)
+    if h.seq is None and d.seq is None:
+        ha, da = h.array(n), d.array(n)
+        if not n:
+            return ()
+        brk = np.zeros(n, dtype=bool)
+        brk[0] = True
+        if n > 1:
+            with np.errstate(over="ignore"):
+                brk[1:] = (ha[1:] != ha[:-1] + 1) | (ha[:-1] == _MAX) | (da[1:] != da[:-1] + 1) | (da[:-1] == _MAX)
+        st = np.flatnonzero(brk)
+        ends = np.append(st[1:], n)
+        return tuple(zip(ha[st].tolist(), da[st].tolist(), (ends - st).tolist()))
+    hv, dv = h.plain(n), d.plain(n)
+    if hv is None or dv is None:  # read in the C order: host[i], then device[i]
+        hv, dv = [], []
+        for i in range(n):
+            hv.append(h.get(i))
+            dv.append(d.get(i))
+    out: list[tuple[int, int, int]] = []
+    if not n:
+        return ()
+    h0, d0, length = hv[0], dv[0], 1
+    for i in range(1, n):
+        hx, dx = hv[i], dv[i]
+        hl, dl = h0 + length - 1, d0 + length - 1  # the last values of the run
+        if hx == hl + 1 and hl != _MAX and dx == dl + 1 and dl != _MAX:
+            length += 1
+            continue
+        out.append((h0, d0, length))
+        h0, d0, length = hx, dx, 1
+    out.append((h0, d0, length))
+    return tuple(out)
+
+
+def side_runs(pair_runs: Any, side: int, /) -> tuple[tuple[int, int], ...]:
+    """((start, length), ...) of one side (0 host, 1 device) of pair_runs_of output,
+    consecutive runs joined."""
+    side = side if type(side) is int else _index(side)
+    if side > 2**31 - 1:
+        raise OverflowError("signed integer is greater than maximum")
+    if side < -(2**31):
+        raise OverflowError("signed integer is less than minimum")
+    if side not in (0, 1):
+        raise ValueError(f"side_runs: side must be 0 (host) or 1 (device), got {side}")
+    seq = tuple(pair_runs)
+    out: list[tuple[int, int]] = []
+    start = end = 0
+    have = False
+    for i, item in enumerate(seq):
+        run = tuple(item)
+        if len(run) != 3:
+            raise TypeError(f"side_runs: a pair run is (host, device, length), got {run!r}")
+        s = _ll(run[side])
+        n = _ll(run[2])
+        if n <= 0:
+            raise ValueError(f"side_runs: pair run {i} {run!r} has a length <= 0")
+        e = s + n
+        if e > _MAX:
+            raise OverflowError(f"side_runs: pair run {i} {run!r} has an end beyond 64 bits")
+        if have and s == end:
+            if e - start > _MAX:
+                raise OverflowError(f"side_runs: joined run from {start} is longer than 64 bits")
+            end = e
+            continue
+        if have:
+            out.append((start, end - start))
+        start, end, have = s, e, True
+    if have:
+        out.append((start, end - start))
+    return tuple(out)
