@@ -5,6 +5,7 @@ segments are joined without a sort only when each is one rank's gap-free run."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,10 @@ def test_a_missing_extension_is_a_clear_error_at_import(module: str, what: str) 
         "try:\n    import hicache_obs.events\nexcept Exception as exc:\n"
         "    print(type(exc).__name__, exc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    # required: else a piece with a pure twin (the slot maps) runs that (tests/native/test_switch.py)
+    env = {**os.environ, "HICACHE_OBS_REQUIRE_EXTENSIONS": "1"}
+    env.pop("HICACHE_OBS_NO_EXTENSIONS", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env)
+    out = run.stdout
     assert out.startswith(f"ConfigError {module} (") and ") is not built (" in out and what in out, out
     assert "make venv" in out
