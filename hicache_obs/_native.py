@@ -3,8 +3,8 @@
 Three pieces are written in C, each an accelerator of a pure path that does the same:
 
 - ``logcore`` (``hicache_obs/_logcore.c``): ``EventLog.emit``, the hand-off to a sink
-  host's pipe, the replay's seq check (:func:`gap_free_run`). It has no pure twin yet:
-  forcing it pure is a :class:`~hicache_obs.errors.ConfigError`.
+  host's pipe, the replay's seq check (:func:`gap_free_run`); twin:
+  ``hicache_obs/events/_logcore_py.py``.
 - ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`) and the
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`); twin: ``hicache_obs/events/_slots_py.py``.
@@ -55,8 +55,14 @@ NO_EXTENSIONS_ENV = "HICACHE_OBS_NO_EXTENSIONS"
 REQUIRE_EXTENSIONS_ENV = "HICACHE_OBS_REQUIRE_EXTENSIONS"
 #: the pieces, each named by its C module without the leading underscore
 PIECES = ("logcore", "slots", "copy")
-#: the pure twin of each piece ("" for the torch kernels of core/transfer.py; None: none yet)
-_TWINS: dict[str, str | None] = {"logcore": None, "slots": "hicache_obs.events._slots_py", "copy": ""}
+#: the pure twin of each piece ("": the torch kernels of core/transfer.py)
+_TWINS = {
+    "logcore": "hicache_obs.events._logcore_py",
+    "slots": "hicache_obs.events._slots_py",
+    "copy": "",
+}
+#: what each piece is, for messages
+_ROLES = {"logcore": "the event log's append path", "slots": "the slot maps", "copy": "the cpu runtime's copy loop"}
 
 _log = logging.getLogger("hicache_obs.native")
 
@@ -106,18 +112,12 @@ def choose(environ: Any = os.environ) -> tuple[dict[str, str], dict[str, ModuleT
                 impls[piece] = "c"
                 continue
             except ImportError as exc:
-                if need or twin is None:
-                    why = f"{REQUIRE_EXTENSIONS_ENV}=1" if need else "it has no pure-Python twin"
+                if need:
                     raise ConfigError(
-                        f"hicache_obs._{piece} is not built ({exc}) and {why}: install the package with a C "
-                        "compiler present (make venv, or pip install -e .)"
+                        f"hicache_obs._{piece} ({_ROLES[piece]}) is not built ({exc}) and {REQUIRE_EXTENSIONS_ENV}=1: "
+                        "install the package with a C compiler present (make venv, or pip install -e .)"
                     ) from None
                 _log.debug("hicache_obs._%s is not built (%s): running its pure-Python twin", piece, exc)
-        elif twin is None:
-            raise ConfigError(
-                f"{NO_EXTENSIONS_ENV}={environ.get(NO_EXTENSIONS_ENV)!r} forces {piece} pure, but "
-                f"hicache_obs._{piece} has no pure-Python twin yet: leave {piece} out of the list"
-            )
         mods[piece] = _load_twin(twin) if twin else None
         impls[piece] = "py"
     return impls, mods

@@ -77,6 +77,7 @@ def _config_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 C = {"logcore": "c", "slots": "c", "copy": "c"}
+PY = {"logcore": "py", "slots": "py", "copy": "py"}
 
 
 def test_by_default_every_piece_is_compiled() -> None:
@@ -95,6 +96,8 @@ def test_the_pieces_named_run_pure() -> None:
     assert _impl(HICACHE_OBS_NO_EXTENSIONS="slots") == {**C, "slots": "py"}
     assert _impl(HICACHE_OBS_NO_EXTENSIONS="copy") == {**C, "copy": "py"}
     assert _impl(HICACHE_OBS_NO_EXTENSIONS="copy,slots,copy") == {**C, "slots": "py", "copy": "py"}
+    assert _impl(HICACHE_OBS_NO_EXTENSIONS="logcore") == {**C, "logcore": "py"}
+    assert _impl(HICACHE_OBS_NO_EXTENSIONS="1") == PY
     got, log = _show(HICACHE_OBS_NO_EXTENSIONS=" slots , copy")
     assert got == {
         "impl": {**C, "slots": "py", "copy": "py"},
@@ -127,15 +130,6 @@ def test_the_pieces_named_run_pure() -> None:
             "HICACHE_OBS_REQUIRE_EXTENSIONS=1 with HICACHE_OBS_NO_EXTENSIONS='copy': copy cannot be both required "
             "compiled and forced pure",
         ),
-        # until the event log's core has a pure twin, forcing it pure is refused, not ignored
-        (
-            {"HICACHE_OBS_NO_EXTENSIONS": "1"},
-            "HICACHE_OBS_NO_EXTENSIONS='1' forces logcore pure, but hicache_obs._logcore has no pure-Python twin yet",
-        ),
-        (
-            {"HICACHE_OBS_NO_EXTENSIONS": "logcore"},
-            "HICACHE_OBS_NO_EXTENSIONS='logcore' forces logcore pure, but hicache_obs._logcore has no pure-Python",
-        ),
     ],
 )
 def test_a_value_the_switch_does_not_know_is_a_config_error(env: dict[str, str], message: str) -> None:
@@ -144,11 +138,13 @@ def test_a_value_the_switch_does_not_know_is_a_config_error(env: dict[str, str],
 
 
 def test_a_piece_that_is_not_built_runs_pure_and_says_so_at_debug_level() -> None:
-    got, log = _show(hidden=("hicache_obs._copy", "hicache_obs._slots"))
-    assert got["impl"] == {**C, "slots": "py", "copy": "py"}
+    got, log = _show(hidden=("hicache_obs._copy", "hicache_obs._slots", "hicache_obs._logcore"))
+    assert got["impl"] == PY
     assert got["copies"] is None and got["slot_map"] == "hicache_obs.events._slots_py"
     lines = [ln for ln in log.splitlines() if ln.startswith("LOG hicache_obs.native")]
     assert lines == [
+        "LOG hicache_obs.native hicache_obs._logcore is not built (No module named 'hicache_obs._logcore'): "
+        "running its pure-Python twin",
         "LOG hicache_obs.native hicache_obs._slots is not built (No module named 'hicache_obs._slots'): "
         "running its pure-Python twin",
         "LOG hicache_obs.native hicache_obs._copy is not built (No module named 'hicache_obs._copy'): "
@@ -156,21 +152,31 @@ def test_a_piece_that_is_not_built_runs_pure_and_says_so_at_debug_level() -> Non
     ]
 
 
-@pytest.mark.parametrize("hidden", ["hicache_obs._copy", "hicache_obs._slots"])
-def test_required_extensions_refuse_a_piece_that_is_not_built(hidden: str) -> None:
+@pytest.mark.parametrize(
+    ("hidden", "role"),
+    [
+        ("hicache_obs._copy", "the cpu runtime's copy loop"),
+        ("hicache_obs._slots", "the slot maps"),
+        ("hicache_obs._logcore", "the event log's append path"),
+    ],
+)
+def test_required_extensions_refuse_a_piece_that_is_not_built(hidden: str, role: str) -> None:
     proc = _child(HIDE.format(hidden={hidden}) + "import hicache_obs._native", HICACHE_OBS_REQUIRE_EXTENSIONS="1")
     assert _config_error(proc) == (
-        f"{hidden} is not built (No module named {hidden!r}) and HICACHE_OBS_REQUIRE_EXTENSIONS=1: install the "
+        f"{hidden} ({role}) is not built (No module named {hidden!r}) and HICACHE_OBS_REQUIRE_EXTENSIONS=1: install the "
         "package with a C compiler present (make venv, or pip install -e .)"
     )
     assert _impl(HICACHE_OBS_REQUIRE_EXTENSIONS="1") == C
 
 
-def test_a_missing_event_log_core_is_an_error_it_has_no_twin() -> None:
-    proc = _child(HIDE.format(hidden={"hicache_obs._logcore"}) + "import hicache_obs._native")
-    assert _config_error(proc).startswith(
-        "hicache_obs._logcore is not built (No module named 'hicache_obs._logcore') and it has no pure-Python twin"
-    )
+def test_every_piece_pure_runs_a_log_and_its_folds() -> None:
+    got, _ = _show(HICACHE_OBS_NO_EXTENSIONS="1")
+    assert got == {
+        "impl": PY,
+        "slot_map": "hicache_obs.events._slots_py",
+        "log_core": "hicache_obs.events._logcore_py",
+        "copies": None,
+    }
 
 
 def test_the_old_module_name_gives_the_same_objects() -> None:
