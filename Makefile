@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck check bench venv clean sglang sglang-clean sanitize
+.PHONY: demo test test-pure lint typecheck check bench venv clean sglang sglang-clean sanitize
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ test: $(STAMP)
 	    echo "== SGLang $$r is not installed: its tests are skipped (make sglang installs it)"; \
 	  fi; \
 	done
+
+# the suite in $(VENV) with every compiled piece replaced by its pure-Python twin
+# (hicache_obs/_native.py; HICACHE_OBS_NO_EXTENSIONS=1): what an install without a C
+# compiler runs. The SGLang releases are left out (their tests reach the same seams).
+test-pure: $(STAMP)
+	HICACHE_OBS_NO_EXTENSIONS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
