@@ -13,9 +13,16 @@
  * For each run and layer it copies `length` chunks; when consecutive slots are
  * adjacent in memory on both sides (layer_first planes) they move as one block.
  * With a page_first side the loop goes slot by slot (that side is walked forward
- * through memory), otherwise layer by layer. torch's strided
- * copy of the same pattern reaches about 0.55-0.65 of a contiguous copy. The GIL is
- * released while it runs.
+ * through memory), otherwise layer by layer. The GIL is released while it runs.
+ *
+ * An optional accelerator (hicache_obs/_native.py): without it (not built, or
+ * HICACHE_OBS_NO_EXTENSIONS=copy) the cpu runtime copies with the torch kernels of
+ * core/transfer.py, bit for bit the same (tests/native/test_differential_copy.py). It is
+ * needed for data_path.page_first.ps16.write_vs_memcpy and load_vs_memcpy >= 0.7:
+ * torch alone measured write 0.49 / 0.55 and load 0.51 / 0.40 (ps64: 0.54 / 0.68 and
+ * 0.53 / 0.62), against 0.73 / 0.74 and 0.99 / 1.05 with this loop, two alternating runs
+ * each of `hicache-obs bench --section data_path --json` on 2026-12-01, this project's
+ * 2-core CPU machine (torch 2.13.0+cpu, one torch thread, load average about 5).
  *
  * Nothing moves until every argument is checked (a ValueError/TypeError naming it):
  * addresses non-null and below 2^64; layers, chunk and strides >= 1, slot counts >= 0;
