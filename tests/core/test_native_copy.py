@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache_obs import _native
 from hicache_obs.core import HiCacheController, ModelSpec
 from hicache_obs.core.runtime import native_copy_loop
 from hicache_obs.errors import RuntimeUnavailableError
@@ -114,7 +115,8 @@ def test_the_cpu_controller_moves_fragmented_nodes_bit_exactly(layout: str, page
     """Every other page taken by another node: runs of one page, through the native loop."""
     spec = ModelSpec(name="t", num_layers=3, num_kv_heads=2, head_dim=32, page_size=page_size)
     c = HiCacheController(spec, runtime="cpu", device_size=256, layout=layout, host_ratio=1.0)
-    assert c.runtime.native_copies is native_copy_loop()
+    # the compiled loop, or the torch kernels where copy runs pure (HICACHE_OBS_NO_EXTENSIONS)
+    assert c.runtime.native_copies is (native_copy_loop() if _native.IMPLEMENTATIONS["copy"] == "c" else None)
     a = c.alloc_device(256)
     assert a is not None
     keep, other = a.view(-1, page_size)[0::2].reshape(-1), a.view(-1, page_size)[1::2].reshape(-1)
