@@ -118,7 +118,9 @@ class Harness:
         if name == "append":  # what EventLog.append does: spend the seq, then _publish
             ev = Ev(core._seq + arg, 0, 3)
             if arg == 0:
-                core._seq += 1
+                spent = outcome(setattr, core, "_seq", core._seq + 1)  # refused at the end of the seq space
+                if spent[0] != "ok":
+                    return spent
             return outcome(core._publish, ev)
         if name == "subscribe":
             self.subs.append(self.subscriber(arg, len(self.subs)))
