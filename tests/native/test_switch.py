@@ -179,19 +179,6 @@ def test_every_piece_pure_runs_a_log_and_its_folds() -> None:
     }
 
 
-def test_the_old_module_name_gives_the_same_objects() -> None:
-    proc = _child(
-        """
-        import hicache_obs._compiled as old, hicache_obs._native as new
-        names = ("LogCore", "SlotMap", "gap_free_run", "pair_runs_of", "runs_of", "side_runs")
-        print(all(getattr(old, k) is getattr(new, k) for k in names), old.SlotMap.__module__)
-        """,
-        HICACHE_OBS_NO_EXTENSIONS="slots",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True", "hicache_obs.events._slots_py"]
-
-
 def test_bench_reports_what_each_piece_ran_on() -> None:
     proc = _child(
         """

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._compiled import runs_of
+from ..._native import runs_of
 from ...errors import IntegrationError
 from ...events.log import EventLog
 from ...events.schema import (

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._compiled import runs_of
+from ..._native import runs_of
 from ...core.torch_compat import no_torch_function, true_is_cpu
 from ...events.schema import TensorRef
 
