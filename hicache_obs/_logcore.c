@@ -349,33 +349,51 @@ static int handoff_run(LogCore *self) {
 /* Store event `seq` (its seq already spent): the retained deque, room in every blocking
  * runner, the ring, `published`; then deliver it, or queue it when subscribers are
  * running (an emit from one of them), and deliver what was queued meanwhile. The caller
- * holds the lock. Shared by emit() and EventLog.append(). */
+ * holds the lock. Shared by emit() and EventLog.append().
+ *
+ * Once the seq is spent the event reaches the ring whatever fails before: a step that
+ * raises (a KeyboardInterrupt from a signal handler inside a blocking runner's
+ * wait_for_room, a full retained deque's MemoryError) is raised after the store, and the
+ * event is then not delivered to subscribers. Without the store, a later event would
+ * publish past an empty slot, and the sinks would read it. */
 static int publish(LogCore *self, PyObject *ev, long long seq) {
+    int failed = 0;
     PyObject *r = PyObject_CallOneArg(self->events_append, ev);
     if (!r)
-        return -1;
-    Py_DECREF(r);
+        failed = 1;
+    else
+        Py_DECREF(r);
     const int closed = self->closed;
-    if (closed && ++self->after_close == 1) {
+    if (!failed && closed && ++self->after_close == 1) {
         r = PyObject_CallMethodOneArg((PyObject *)self, str_after_close, ev);
         if (!r)
-            return -1;
-        Py_DECREF(r);
+            failed = 1;
+        else
+            Py_DECREF(r);
     }
-    for (Py_ssize_t i = 0; !closed && i < PyList_GET_SIZE(self->blocking); i++) {
+    for (Py_ssize_t i = 0; !failed && !closed && i < PyList_GET_SIZE(self->blocking); i++) {
         PyObject *runner = PyList_GET_ITEM(self->blocking, i);
         Py_INCREF(runner);
         r = PyObject_CallMethodNoArgs(runner, str_wait_for_room);
         Py_DECREF(runner);
         if (!r)
-            return -1;
-        Py_DECREF(r);
+            failed = 1;
+        else
+            Py_DECREF(r);
     }
     /* after close() the ring is left alone: a runner still taking what came before would
      * find it overwritten; `published` stays at closed_at */
     if (!closed) {
-        if (ring_ok(self) < 0) /* wait_for_room runs Python code */
+        PyObject *et = NULL, *evalue = NULL, *tb = NULL;
+        if (failed)
+            PyErr_Fetch(&et, &evalue, &tb); /* raised again once the event is stored */
+        if (ring_ok(self) < 0) { /* wait_for_room runs Python code */
+            if (failed) {
+                PyErr_Clear();
+                PyErr_Restore(et, evalue, tb);
+            }
             return -1;
+        }
         Py_ssize_t slot = (Py_ssize_t)(seq & (long long)(self->ring_size - 1));
         PyObject *old = PyList_GET_ITEM(self->ring, slot);
         Py_INCREF(ev);
@@ -383,6 +401,12 @@ static int publish(LogCore *self, PyObject *ev, long long seq) {
         Py_XDECREF(old);
         if (self->published < seq + 1) /* never backwards, whatever ran in between */
             STORE(self->published, seq + 1);
+        if (failed) {
+            PyErr_Restore(et, evalue, tb);
+            return -1;
+        }
+    } else if (failed) {
+        return -1;
     }
     if (self->dispatching) {
         r = PyObject_CallMethodOneArg(self->pending, str_append, ev);

@@ -238,23 +238,30 @@ class LogCore:
         self._store(ev, seq)
 
     def _store(self, ev: Any, seq: int) -> None:
-        """Store event ``seq`` (its seq spent), then deliver it, or queue it when subscribers run."""
-        self._c_events_append(ev)
+        """Store event ``seq`` (its seq spent), then deliver it, or queue it when subscribers run.
+
+        Once the seq is spent the event reaches the ring whatever fails before (a
+        KeyboardInterrupt inside a blocking runner's ``wait_for_room``): the error is
+        raised after the store, and the event is then not delivered to subscribers."""
         closed = self._c_closed
-        if closed:
-            self._c_after_close += 1
-            if self._c_after_close == 1:
-                self._appended_after_close(ev)  # type: ignore[attr-defined]
-        else:
-            blocking = self._c_blocking
-            i = 0
-            while i < len(blocking):
-                blocking[i].wait_for_room()
-                i += 1
-            ring = self._ring_ok()  # wait_for_room runs Python code
-            ring[seq & (self._c_ring_size - 1)] = ev
-            if self._c_published < seq + 1:  # never backwards, whatever ran in between
-                self._c_published = seq + 1
+        try:
+            self._c_events_append(ev)
+            if closed:
+                self._c_after_close += 1
+                if self._c_after_close == 1:
+                    self._appended_after_close(ev)  # type: ignore[attr-defined]
+            else:
+                blocking = self._c_blocking
+                i = 0
+                while i < len(blocking):
+                    blocking[i].wait_for_room()
+                    i += 1
+        finally:
+            if not closed:
+                ring = self._ring_ok()  # wait_for_room runs Python code
+                ring[seq & (self._c_ring_size - 1)] = ev
+                if self._c_published < seq + 1:  # never backwards, whatever ran in between
+                    self._c_published = seq + 1
         if self._c_dispatching:
             self._c_pending.append(ev)
             return
