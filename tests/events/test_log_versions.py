@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from goldens import FIXTURE, REGENERATE, REPO, check_golden
 
 from hicache_obs.cli import main
 from hicache_obs.errors import LogFormatError, UnsupportedLogVersionError
@@ -24,25 +24,7 @@ from hicache_obs.events.replay import TornLine, read_file, read_segments, replay
 from hicache_obs.events.schema import LOG_FORMAT
 from hicache_obs.events.store import JsonlStore, segment_header
 
-REPO = Path(__file__).resolve().parents[2]
-V1 = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read
-GOLDEN = REPO / "tests/data/logs/golden/v1"
-REGENERATE = os.environ.get("HICACHE_REGENERATE_GOLDENS") == "1"
-
-
-def _check_golden(name: str, got: bytes) -> None:
-    path = GOLDEN / name
-    if REGENERATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(got)
-        return
-    want = path.read_bytes()
-    if got != want:
-        diff = difflib.unified_diff(
-            want.decode().splitlines(), got.decode().splitlines(), "golden", "now", n=1, lineterm=""
-        )
-        shown = "\n".join(line[:300] for line in list(diff)[:40])
-        pytest.fail(f"{name} differs from its golden file (HICACHE_REGENERATE_GOLDENS=1 rewrites it):\n{shown}")
+V1 = FIXTURE
 
 
 @pytest.fixture
@@ -62,21 +44,21 @@ def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
 def test_v1_fixture_replays(cli, tmp_path: Path) -> None:
     code, out, err = cli("audit", V1, "--json")
     assert code == 1, err  # the fixture's fault: violations
-    _check_golden("audit.json", out.encode())
+    check_golden("audit.json", out.encode())
     audit = json.loads(out)
     assert audit["events"] == 1166 and audit["torn_lines"] == []
     assert {v["rule"] for v in audit["violations"]} == {"unrecorded_index"}
 
     code, out, err = cli("inspect", V1, "--json")
     assert code == 0, err
-    _check_golden("inspect.json", out.encode())
+    check_golden("inspect.json", out.encode())
     assert len(json.loads(out)["ops"]) == 39
 
     trace, otlp = tmp_path / "trace.json", tmp_path / "otlp.json"
     code, _, err = cli("export", V1, "--chrome-trace", str(trace), "--otlp-json", str(otlp))
     assert code == 0, err
-    _check_golden("chrome_trace.json", trace.read_bytes())
-    _check_golden("otlp.json", otlp.read_bytes())
+    check_golden("chrome_trace.json", trace.read_bytes())
+    check_golden("otlp.json", otlp.read_bytes())
     if REGENERATE:
         pytest.skip("regenerated the v1 goldens")
 

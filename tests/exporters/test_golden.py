@@ -19,12 +19,11 @@ value shows here. When the change is meant, regenerate the goldens and review th
 
 from __future__ import annotations
 
-import difflib
 import io
-import os
 from pathlib import Path
 
 import pytest
+from goldens import FIXTURE, REPO, check_golden
 from prometheus_client import generate_latest
 
 from hicache_obs.cli import main
@@ -32,28 +31,6 @@ from hicache_obs.events.replay import read_segments
 from hicache_obs.events.schema import Event
 from hicache_obs.exporters.prometheus import PrometheusSink
 from hicache_obs.exporters.structlog_sink import StructlogSink
-
-REPO = Path(__file__).resolve().parents[2]
-FIXTURE = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read
-GOLDEN = REPO / "tests/data/logs/golden/v1"
-REGENERATE = os.environ.get("HICACHE_REGENERATE_GOLDENS") == "1"
-
-
-def check_golden(name: str, got: bytes) -> None:
-    """``got`` equals the golden file ``name`` byte for byte (or becomes it, when regenerating)."""
-    path = GOLDEN / name
-    if REGENERATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(got)
-        pytest.skip(f"regenerated {path.relative_to(REPO)}")
-    assert path.is_file(), f"{path} is missing: run with HICACHE_REGENERATE_GOLDENS=1 to write it"
-    want = path.read_bytes()
-    if got != want:
-        diff = difflib.unified_diff(
-            want.decode().splitlines(), got.decode().splitlines(), "golden", "now", n=1, lineterm=""
-        )
-        shown = "\n".join(line[:300] for line in list(diff)[:40])
-        pytest.fail(f"{name} differs from its golden file (HICACHE_REGENERATE_GOLDENS=1 rewrites it):\n{shown}")
 
 
 @pytest.fixture(scope="module")
