@@ -88,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in stale:
             print(f"stale: {args.out / name} (run python dashboards/generate.py)", file=sys.stderr)
         return 1 if stale else 0
+    if args.out.exists() and not args.out.is_dir():
+        print(f"generate.py: --out {args.out} is not a folder", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
     for name in write_files(args.out):
         print(f"wrote {args.out / name}")
     return 0

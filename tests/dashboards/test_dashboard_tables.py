@@ -96,3 +96,15 @@ def test_yaml_writer_scalars_and_nesting() -> None:
         "    n: null",
         "  - v",
     ]
+
+
+def test_out_is_created_and_a_file_in_its_place_is_refused(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    generate = load_generator()
+    out = tmp_path / "new" / "boards"
+    assert generate.main(["--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(generate.render_files())
+    assert generate.main(["--check", "--out", str(out)]) == 0
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert generate.main(["--out", str(blocker)]) == 2
+    assert f"--out {blocker} is not a folder" in capsys.readouterr().err
