@@ -10,10 +10,8 @@ that polls them while the producers and workers race.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +24,6 @@ from hicache_obs.events.store import JsonlStore
 
 EMITTERS = 4
 
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    """Switch threads every microsecond: the races show within a run."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 class SlowSink(ListSink):

@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import pytest
 import torch
 
 from hicache_obs.core import CacheOperation, HybridCacheController, ModelSpec, PoolTransfer
@@ -25,16 +23,6 @@ from hicache_obs.events import EventLog, TransferFailed
 THREADS = 8
 EMITS = 2000
 
-
-@pytest.fixture
-def fast_switching() -> Iterator[None]:
-    """Let the interpreter switch threads every microsecond: races show in milliseconds, not hours."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
 
 
 def _hybrid() -> HybridCacheController:
