@@ -367,9 +367,13 @@ class Instrumentation:
         try:
             self.log.emit(cls, **fields)
         except Exception:
-            self._errors += 1
-            if self._errors == 1 or self._errors % 10000 == 0:
-                _log.exception("hicache-obs could not record a %s event (%d so far)", cls.__name__, self._errors)
+            self._failed(f"record a {cls.__name__} event")
+
+    def _failed(self, what: str) -> None:
+        """Count an observation that failed (in an ``except`` block); log the first and every 10,000th."""
+        self._errors += 1
+        if self._errors == 1 or self._errors % 10000 == 0:
+            _log.exception("hicache-obs could not %s (%d errors so far)", what, self._errors)
 
     def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run an observation step and return what it returned; an error in it is counted
@@ -379,9 +383,7 @@ class Instrumentation:
             with NO_TORCH_FUNCTION():
                 return fn(*args, **kwargs)
         except Exception:
-            self._errors += 1
-            if self._errors == 1 or self._errors % 10000 == 0:
-                _log.exception("hicache-obs could not describe a %s call (%d errors so far)", fn.__name__, self._errors)
+            self._failed(f"describe a {fn.__name__} call")
             return None
 
     @property
@@ -646,9 +648,7 @@ class Instrumentation:
                 values = describe.host_values(t)
             return runs_of(values) if values is not None and values.size else None
         except Exception:
-            self._errors += 1
-            if self._errors == 1 or self._errors % 10000 == 0:
-                _log.exception("hicache-obs could not read the slots of an index tensor (%d errors so far)", self._errors)
+            self._failed("read the slots of an index tensor")
             return None
 
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
