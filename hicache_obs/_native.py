@@ -7,7 +7,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   ``hicache_obs/events/_logcore_py.py``.
 - ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`) and the
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
-  :func:`side_runs`); twin: ``hicache_obs/events/_slots_py.py``.
+  :func:`side_runs`, :func:`dlpack_facts`); twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/transfer.py`` (:data:`copy` is then ``None``).
 
@@ -45,6 +45,7 @@ __all__ = [
     "LogCore",
     "SlotMap",
     "copy",
+    "dlpack_facts",
     "gap_free_run",
     "pair_runs_of",
     "runs_of",
@@ -154,5 +155,6 @@ SlotMap = _slots.SlotMap
 runs_of = _slots.runs_of
 pair_runs_of = _slots.pair_runs_of
 side_runs = _slots.side_runs
+dlpack_facts = _slots.dlpack_facts
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

@@ -20,7 +20,9 @@
  * The page arrays are calloc'd: pages never used cost no memory the OS has to back.
  *
  * runs_of / pair_runs_of / side_runs run-length encode index values (lists, or numpy
- * views of index tensors, read in place) into the runs events and copies carry.
+ * views of index tensors, read in place) into the runs events and copies carry;
+ * dlpack_facts reads an index tensor's size, address and value runs from its DLPack
+ * capsule in one call (the SGLang adapter's reads, between copies, with cold caches).
  *
  * An optional accelerator (hicache_obs/_native.py) of its pure twin
  * hicache_obs/events/_slots_py.py (tests/native/test_differential_slots.py), needed for
@@ -656,6 +658,122 @@ fail:
     return NULL;
 }
 
+/* DLPack's legacy tensor, as an unconsumed "dltensor" capsule holds it (dlpack.h before
+ * 1.0; what torch._C._to_dlpack returns). Only read here: the capsule keeps the tensor. */
+typedef struct {
+    int32_t device_type, device_id;
+} DLDeviceV0;
+typedef struct {
+    uint8_t code, bits;
+    uint16_t lanes;
+} DLDataTypeV0;
+typedef struct {
+    void *data;
+    DLDeviceV0 device;
+    int32_t ndim;
+    DLDataTypeV0 dtype;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+} DLTensorV0;
+typedef struct {
+    DLTensorV0 dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(void *);
+} DLManagedTensorV0;
+
+enum { DL_CPU = 1, DL_CUDA_HOST = 3, DL_INT = 0, DL_UINT = 1 };
+
+/* The element stride that walks every element of t in order (row-major), or 0 when no
+ * single stride does (a strided view of more than one dimension). */
+static int64_t flat_stride(const DLTensorV0 *t) {
+    if (t->ndim == 0 || !t->strides)
+        return 1;
+    if (t->ndim == 1)
+        return t->strides[0];
+    int64_t want = 1;
+    for (int32_t i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->strides[i] != want)
+            return 0;
+        want *= t->shape[i];
+    }
+    return 1;
+}
+
+static long long read_int(const char *p, int code, int bits) {
+    switch (bits) {
+    case 8: return code == DL_INT ? (long long)*(const int8_t *)p : (long long)*(const uint8_t *)p;
+    case 16: return code == DL_INT ? (long long)*(const int16_t *)p : (long long)*(const uint16_t *)p;
+    case 32: return code == DL_INT ? (long long)*(const int32_t *)p : (long long)*(const uint32_t *)p;
+    default: return (long long)*(const int64_t *)p; /* a uint64 above LLONG_MAX wraps, as numpy's astype does */
+    }
+}
+
+/* dlpack_facts(capsule): (device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs)
+ * of the tensor a "dltensor" capsule holds. ptr is 0 for an empty tensor. runs are the
+ * ((start, length), ...) of its values in row-major order, read in place, where they are
+ * host memory (DLPack CPU or CUDA host) of an integer type and one stride walks them;
+ * else None (a device tensor's values are never read). */
+static PyObject *dlpack_facts(PyObject *Py_UNUSED(mod), PyObject *cap) {
+    if (!PyCapsule_IsValid(cap, "dltensor")) {
+        PyErr_Format(PyExc_TypeError, "dlpack_facts: an unconsumed \"dltensor\" capsule is needed, got %.100s",
+                     Py_TYPE(cap)->tp_name);
+        return NULL;
+    }
+    DLManagedTensorV0 *m = (DLManagedTensorV0 *)PyCapsule_GetPointer(cap, "dltensor");
+    if (!m)
+        return NULL;
+    const DLTensorV0 *t = &m->dl_tensor;
+    if (t->ndim < 0 || (t->ndim > 0 && !t->shape)) {
+        PyErr_Format(PyExc_ValueError, "dlpack_facts: the capsule's tensor has ndim %d and %s shape", (int)t->ndim,
+                     t->shape ? "a" : "no");
+        return NULL;
+    }
+    long long numel = 1;
+    for (int32_t i = 0; i < t->ndim; i++) {
+        int64_t d = t->shape[i];
+        if (d < 0 || (d && numel > LLONG_MAX / d)) {
+            PyErr_Format(PyExc_ValueError, "dlpack_facts: dimension %d of the capsule's tensor is %lld", (int)i,
+                         (long long)d);
+            return NULL;
+        }
+        numel *= d;
+    }
+    unsigned long long ptr = numel ? (unsigned long long)(uintptr_t)t->data + t->byte_offset : 0;
+    int code = t->dtype.code, bits = t->dtype.bits;
+    int host = t->device.device_type == DL_CPU || t->device.device_type == DL_CUDA_HOST;
+    int ints = (code == DL_INT || code == DL_UINT) && t->dtype.lanes == 1 &&
+               (bits == 8 || bits == 16 || bits == 32 || bits == 64);
+    int64_t stride = host && ints ? flat_stride(t) : 0;
+    PyObject *runs;
+    if (!host || !ints || (numel > 1 && stride <= 0)) {
+        runs = Py_NewRef(Py_None);
+    } else {
+        const char *base = (const char *)(uintptr_t)ptr;
+        int64_t step = stride * (bits / 8);
+        PyObject *out = PyList_New(0);
+        long long start = 0, prev = 0, x;
+        for (long long i = 0; out && i < numel; i++) {
+            x = read_int(base + i * step, code, bits);
+            if (i && follows(prev, x)) {
+                prev = x;
+                continue;
+            }
+            if (i && append_tuple(out, Py_BuildValue("(LL)", start, prev - start + 1)) < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+            start = prev = x;
+        }
+        if (out && numel && append_tuple(out, Py_BuildValue("(LL)", start, prev - start + 1)) < 0)
+            Py_CLEAR(out);
+        runs = list_to_tuple(out);
+        if (!runs)
+            return NULL;
+    }
+    return Py_BuildValue("(iiLiiKN)", (int)t->device.device_type, (int)t->device.device_id, numel, code, bits, ptr,
+                         runs);
+}
+
 /* pair_runs_of(host, device): ((host_start, device_start, length), ...) of pairs consecutive
  * on both sides; as zip(), the longer side's extra values are not read. */
 static PyObject *pair_runs_of(PyObject *Py_UNUSED(mod), PyObject *args) {
@@ -772,6 +890,10 @@ static PyMethodDef module_methods[] = {
     {"pair_runs_of", pair_runs_of, METH_VARARGS,
      "pair_runs_of(host, device, /)\n--\n\n((host_start, device_start, length), ...) of index pairs consecutive on "
      "both sides; as zip(), up to the shorter side."},
+    {"dlpack_facts", dlpack_facts, METH_O,
+     "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
+     "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "
+     "integers one stride walks, else None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,9 @@ alone, and ``grep torch_compat`` lists every place that depends on them.
 - :data:`true_is_cpu`: ``true_is_cpu(t)`` says whether ``t``'s storage is on the CPU, read
   past whatever a subclass's ``is_cpu`` or ``device`` property answers
   (``torch._C.TensorBase.is_cpu``'s getter).
+- :data:`to_dlpack`: ``to_dlpack(t)`` is a DLPack ``"dltensor"`` capsule of ``t``
+  (``torch._C._to_dlpack``: the C function under ``Tensor.__dlpack__``, without its Python
+  checks, stream handling and torch function dispatch), or ``None`` where torch lacks it.
 - :data:`TensorBase`: the C base class of ``torch.Tensor``; its methods (``record_stream``
   among them) are what a call on a tensor reaches when ``torch.Tensor`` does not override it.
 """
@@ -21,13 +24,19 @@ alone, and ``grep torch_compat`` lists every place that depends on them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._C import DisableTorchFunction, DisableTorchFunctionSubclass, TensorBase
 
-__all__ = ["plain_tensor_calls", "no_torch_function", "true_is_cpu", "TensorBase"]
+__all__ = ["plain_tensor_calls", "no_torch_function", "true_is_cpu", "to_dlpack", "TensorBase"]
 
 plain_tensor_calls = DisableTorchFunctionSubclass
 no_torch_function = DisableTorchFunction
 # mypy types TensorBase.is_cpu as a bool, not as the attribute descriptor it is
 true_is_cpu: Callable[[torch.Tensor], bool] = TensorBase.is_cpu.__get__  # type: ignore[attr-defined]
+to_dlpack: Callable[[torch.Tensor], Any] | None
+try:
+    from torch._C import _to_dlpack as to_dlpack
+except ImportError:  # a torch without it: callers ask the tensor itself
+    to_dlpack = None

@@ -18,6 +18,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   in the state asked for are reported and skipped, the others applied.
 - ``runs_of`` / ``pair_runs_of`` / ``side_runs``: the runs of index values (lists, or
   1-D integer buffers such as numpy views of index tensors).
+- ``dlpack_facts``: size, address and value runs of the tensor a DLPack ``"dltensor"``
+  capsule holds (read through ``ctypes``).
 
 Its one difference: memory. A freed page costs a dict entry here (about 100 bytes) where
 the C lists cost 10 bytes a page, so a replay of pools of tens of millions of slots, all
@@ -29,13 +31,14 @@ that package is being imported).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import operator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SlotMap", "pair_runs_of", "runs_of", "side_runs"]
+__all__ = ["SlotMap", "dlpack_facts", "pair_runs_of", "runs_of", "side_runs"]
 
 _MIN = -(1 << 63)
 _MAX = (1 << 63) - 1
@@ -555,3 +558,85 @@ def side_runs(pair_runs: Any, side: int, /) -> tuple[tuple[int, int], ...]:
     if have:
         out.append((start, end - start))
     return tuple(out)
+
+
+# ------------------------------------------------------------------ DLPack
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    """DLPack's legacy tensor (``dlpack.h`` before 1.0), the head of a ``DLManagedTensor``."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_valid.restype = ctypes.c_int
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_pointer.restype = ctypes.c_void_p
+_HOST_DEVICES = (1, 3)  # DLPack CPU, CUDA host (pinned)
+_INT_TYPES = {(0, 8): "i1", (0, 16): "i2", (0, 32): "i4", (0, 64): "i8", (1, 8): "u1", (1, 16): "u2", (1, 32): "u4", (1, 64): "u8"}
+
+
+def _flat_stride(ndim: int, shape: list[int], strides: list[int] | None) -> int:
+    """The element stride that walks every element in row-major order, or 0 if none does."""
+    if ndim == 0 or strides is None:
+        return 1
+    if ndim == 1:
+        return strides[0]
+    want = 1
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d != 1 and s != want:
+            return 0
+        want *= d
+    return 1
+
+
+def dlpack_facts(capsule: Any, /) -> tuple[int, int, int, int, int, int, tuple[tuple[int, int], ...] | None]:
+    """``(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs)`` of the tensor an
+    unconsumed ``"dltensor"`` capsule holds. ``ptr`` is 0 for an empty tensor. ``runs`` are the
+    runs of its values in row-major order, read in place, where they are host memory (DLPack
+    CPU or CUDA host) of an integer type and one stride walks them; else None."""
+    if not _capsule_valid(capsule, b"dltensor"):
+        raise TypeError(
+            f'dlpack_facts: an unconsumed "dltensor" capsule is needed, got {type(capsule).__name__}'
+        )
+    t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    ndim = t.ndim
+    if ndim < 0 or (ndim > 0 and not t.shape):
+        raise ValueError(f"dlpack_facts: the capsule's tensor has ndim {ndim} and {'a' if t.shape else 'no'} shape")
+    shape = [t.shape[i] for i in range(ndim)]
+    numel = 1
+    for i, d in enumerate(shape):
+        if d < 0 or (d and numel > _MAX // d):
+            raise ValueError(f"dlpack_facts: dimension {i} of the capsule's tensor is {d}")
+        numel *= d
+    ptr = ((t.data or 0) + t.byte_offset) & ((1 << 64) - 1) if numel else 0
+    code, bits = t.dtype.code, t.dtype.bits
+    kind = _INT_TYPES.get((code, bits)) if t.dtype.lanes == 1 else None
+    runs: tuple[tuple[int, int], ...] | None = None
+    if t.device.device_type in _HOST_DEVICES and kind is not None:
+        strides = [t.strides[i] for i in range(ndim)] if t.strides else None
+        stride = _flat_stride(ndim, shape, strides)
+        if numel <= 1 or stride > 0:
+            size = bits // 8
+            span = (numel - 1) * max(stride, 1) + 1 if numel else 0
+            raw = (ctypes.c_char * (span * size)).from_address(ptr) if numel else b""
+            values = np.frombuffer(raw, dtype=np.dtype(kind), count=span)[:: max(stride, 1)]
+            runs = runs_of(values.astype(np.int64, copy=False))
+    return (t.device.device_type, t.device.device_id, numel, code, bits, ptr, runs)

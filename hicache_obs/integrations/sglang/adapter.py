@@ -71,8 +71,19 @@ _registry: weakref.WeakKeyDictionary[Any, weakref.ref[Instrumentation]] = weakre
 _registry_lock = threading.Lock()
 
 
+#: id(name) -> (name, its string): SGLang names pools by enum members, whose ``value`` is a
+#: Python-level descriptor; each op reads the names of its pool transfers twice or more
+_POOL_NAMES: dict[int, tuple[Any, str]] = {}
+
+
 def _pool_name(name: Any) -> str:
-    return str(getattr(name, "value", name))
+    hit = _POOL_NAMES.get(id(name))
+    if hit is not None and hit[0] is name:
+        return hit[1]
+    text = str(getattr(name, "value", name))
+    if len(_POOL_NAMES) < 256:  # the entry holds ``name``: its id is not reused while cached
+        _POOL_NAMES[id(name)] = (name, text)
+    return text
 
 
 # ------------------------------------------------------------------- the queues
@@ -140,13 +151,17 @@ class _ConversionWatch:
     method call finds before the class's method) for the length of the copy call, on this
     thread only, and takes them off again; no other torch call passes through it, so a
     copy costs the same whatever it does inside. Only a description of each new tensor is
-    kept, never the tensor."""
+    kept, never the tensor; a description that fails goes to ``failed`` (the
+    instrumentation's count), never into SGLang's call."""
 
     _METHODS = ("to", "cuda")
 
-    def __init__(self, pool: str, watched: dict[int, tuple[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, pool: str, watched: dict[int, tuple[str, torch.Tensor]], failed: Callable[[str], None]
+    ) -> None:
         self.pool = pool
         self.watched = watched  # id(tensor) -> (role, tensor)
+        self._failed = failed
         self.moves: list[tuple[str, str, str, TensorRef]] = []
         self._thread = threading.get_ident()
         self._placed: list[tuple[torch.Tensor, str]] = []
@@ -157,10 +172,13 @@ class _ConversionWatch:
         def call(*args: Any, **kwargs: Any) -> Any:
             out = method(src, *args, **kwargs)
             if threading.get_ident() == self._thread and isinstance(out, torch.Tensor) and out is not src:
-                with NO_TORCH_FUNCTION():
-                    before, after = device_name(src), device_name(out)
-                    if after != before:
-                        self.moves.append((role, before, after, tensor_ref(out, self.pool, role, after)))
+                try:
+                    with NO_TORCH_FUNCTION():
+                        before, after = device_name(src), device_name(out)
+                        if after != before:
+                            self.moves.append((role, before, after, tensor_ref(out, self.pool, role, after)))
+                except Exception:
+                    self._failed("describe an index tensor a copy moved")
             return out
 
         return call
@@ -611,7 +629,7 @@ class Instrumentation:
                 if not watched or self._shape.io_backend != "kernel":
                     # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watch = _ConversionWatch(pool, watched)
+                watch = _ConversionWatch(pool, watched, self._failed)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
                 seen = {(m[0], m[1]) for m in sub.side_moves if m[0] == pool}
@@ -641,12 +659,11 @@ class Instrumentation:
 
     def _slot_runs(self, t: torch.Tensor) -> Any:
         """The runs of a host index tensor's values; None if it is empty, on a device, or
-        cannot be read (counted and logged). One frame: allocations and frees are the
-        adapter's most frequent steps, and they run between copies, with cold caches."""
+        cannot be read (counted and logged). Allocations and frees are the adapter's most
+        frequent steps, and they run between copies, with cold caches: one DLPack read
+        each (:func:`describe.host_runs`)."""
         try:
-            with NO_TORCH_FUNCTION():
-                values = describe.host_values(t)
-            return runs_of(values) if values is not None and values.size else None
+            return describe.host_runs(t) or None
         except Exception:
             self._failed("read the slots of an index tensor")
             return None

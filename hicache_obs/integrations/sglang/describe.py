@@ -5,6 +5,12 @@ facts about the tensor, and a process-wide torch function mode (a tracer, a debu
 mode, the CPU harness's CUDA stand-in) would otherwise run in Python for each of them.
 Values are read only where the storage is host memory: a device tensor's values would
 cost a sync, so they are never read.
+
+Each read runs between SGLang's copies, with cold caches, where one torch call costs
+several times what it does in a loop. So size, dtype, address and the runs of the values
+come from one call: a DLPack capsule of the tensor (``torch_compat.to_dlpack``), read by
+:func:`~hicache_obs._native.dlpack_facts`. Where torch cannot export the tensor, or its
+host values are not integers one stride walks, the tensor's own methods answer instead.
 """
 
 from __future__ import annotations
@@ -14,33 +20,53 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._native import runs_of
-from ...core.torch_compat import no_torch_function, true_is_cpu
+from ..._native import dlpack_facts, runs_of
+from ...core.torch_compat import no_torch_function, to_dlpack, true_is_cpu
 from ...events.schema import TensorRef
 
 __all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_ref"]
 
 NO_TORCH_FUNCTION = no_torch_function
 _TRUE_IS_CPU = true_is_cpu  # the storage's device, whatever a subclass reports
+_TO_DLPACK = to_dlpack
 _DTYPES = {torch.int64: "int64", torch.int32: "int32"}
+_DL_DTYPES = {(0, 64): "int64", (0, 32): "int32"}  # DLPack (type code, bits): the index dtypes
+_DL_HOST = (1, 3)  # DLPack device types whose memory the host reads: CPU, CUDA host (pinned)
 _INT64 = np.dtype(np.int64)
+_CUDA_NAMES: dict[torch.device, str] = {}
 
 
 def device_name(t: torch.Tensor) -> str:
     """``cuda:N``, ``cpu`` or torch's name of the tensor's device, as the tensor reports it."""
     if t.is_cuda:
         dev = t.device
-        return f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
+        name = _CUDA_NAMES.get(dev) if type(dev) is torch.device else None
+        if name is None:
+            name = f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
+            if type(dev) is torch.device and len(_CUDA_NAMES) < 64:
+                _CUDA_NAMES[dev] = name
+        return name
     if t.is_cpu:
         return "cpu"
     return str(t.device)
 
 
+def _facts(t: torch.Tensor) -> tuple[int, int, int, int, int, int, Any] | None:
+    """``dlpack_facts`` of ``t``, or None where torch cannot export it (no ``_to_dlpack``,
+    a sparse or otherwise unexportable tensor): the caller then asks the tensor."""
+    if _TO_DLPACK is None:
+        return None
+    try:
+        cap = _TO_DLPACK(t)
+    except (RuntimeError, TypeError, BufferError, ValueError):
+        return None
+    return dlpack_facts(cap)
+
+
 def host_values(t: torch.Tensor) -> Any:
     """The values of an index tensor whose storage is host memory (no sync), as a 1-D int64
-    array, else None. The usual index tensor takes two torch calls (its storage's device,
-    one ``numpy()``: a view of the same memory, strided where the tensor is). Each runs
-    between SGLang's copies, with cold caches, and costs several times what it does in a loop."""
+    array, else None: a view of the same memory (strided where the tensor is) where numpy can
+    take one, else a converted copy."""
     if not _TRUE_IS_CPU(t):
         return None
     with NO_TORCH_FUNCTION():
@@ -54,26 +80,43 @@ def host_values(t: torch.Tensor) -> Any:
 
 
 def host_runs(t: torch.Tensor) -> Any:
-    """The runs of an index tensor's values, or None for device values a read would sync for (a GPU)."""
-    values = host_values(t)
+    """The runs of an index tensor's values (``()`` for an empty one), or None for device
+    values a read would sync for (a GPU)."""
+    with NO_TORCH_FUNCTION():
+        facts = _facts(t)
+        if facts is not None:
+            if facts[6] is not None or facts[0] not in _DL_HOST:
+                return facts[6]
+        values = host_values(t)  # host values DLPack does not walk: floats, strided views
     return None if values is None else runs_of(values)
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
-    """The ``TensorRef`` of an index tensor (``dev``: its device name, where the caller has it already)."""
+    """The ``TensorRef`` of an index tensor (``dev``: its device name, where the caller has it
+    already). Values are in it where the tensor reports the CPU and is not empty."""
     with NO_TORCH_FUNCTION():
-        numel = t.numel()
-        dtype = t.dtype
-        ptr = t.data_ptr() if numel else 0
         if dev is None:
             dev = device_name(t)
-        runs = host_runs(t) if dev == "cpu" and numel else None
+        facts = _facts(t)
+        if facts is None:
+            numel = t.numel()
+            ptr = t.data_ptr() if numel else 0
+            dtype = _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+            runs = host_runs(t) if dev == "cpu" and numel else None
+        else:
+            device_type, _, numel, code, bits, ptr, runs = facts
+            dtype = _DL_DTYPES.get((code, bits)) or str(t.dtype).removeprefix("torch.")
+            if dev != "cpu" or not numel:
+                runs = None
+            elif runs is None and device_type in _DL_HOST:
+                values = host_values(t)
+                runs = None if values is None else runs_of(values)
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]
         device=dev,
         numel=numel,
-        dtype=_DTYPES.get(dtype) or str(dtype).removeprefix("torch."),
+        dtype=dtype,
         ptr=ptr,
         indices=runs or None,
     )

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from hicache_obs.integrations.sglang.adapter import _ConversionWatch
 
 
-def _watch(t: torch.Tensor, role: str = "host") -> _ConversionWatch:
-    return _ConversionWatch("mamba", {id(t): (role, t)})
+def _watch(t: torch.Tensor, role: str = "host", failed: list[str] | None = None) -> _ConversionWatch:
+    def count(what: str) -> None:
+        if failed is None:
+            raise AssertionError(f"the watch failed to {what}")
+        failed.append(what)
+
+    return _ConversionWatch("mamba", {id(t): (role, t)}, count)
 
 
 def test_a_move_of_a_received_tensor_is_seen_with_its_new_tensor() -> None:
@@ -64,3 +70,19 @@ def test_a_method_already_on_the_tensor_is_not_replaced() -> None:
     with _watch(t) as w:
         assert t.to("meta") == "theirs"
     assert t.__dict__["to"] is mine and w.moves == []
+
+
+def test_a_description_that_fails_is_counted_and_the_move_still_happens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's own ``.to()`` returns its tensor even where describing it raises."""
+    from hicache_obs.integrations.sglang import adapter
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no description")
+
+    monkeypatch.setattr(adapter, "tensor_ref", broken)
+    t = torch.arange(6, dtype=torch.int64)
+    failed: list[str] = []
+    with _watch(t, failed=failed) as w:
+        out = t.to("meta")
+    assert out.device.type == "meta" and out.shape == (6,)
+    assert w.moves == [] and failed == ["describe an index tensor a copy moved"]
