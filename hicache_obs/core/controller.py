@@ -31,8 +31,6 @@ from ..errors import (
     HiCacheError,
     InvalidIndicesError,
     LengthMismatchError,
-    PageSizeError,
-    SlotNotAllocatedError,
     UnknownBackendError,
     UnknownLayoutError,
     UnknownPoolError,
@@ -58,7 +56,7 @@ from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
-from .spec import ModelSpec
+from .spec import ANCHOR, ModelSpec
 from .tensors import subclass_problem, tensor_problem
 from .torch_compat import plain_tensor_calls
 from .transfer import (
@@ -71,10 +69,10 @@ from .transfer import (
     launch_load_layer,
     runs_for_copy,
 )
+from .validation import check_index_tensor, check_request, check_transfers
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
 
-ANCHOR = "kv"
 #: ``event_detail`` values: every event, or only those the bookkeeping fold needs.
 EVENT_DETAILS = ("full", "bookkeeping")
 _log = logging.getLogger("hicache_obs.controller")
@@ -355,49 +353,18 @@ class HiCacheController:
         allow_empty: bool = False,
         must_be_allocated: bool = True,
     ) -> list[int] | None:
-        """Check an index tensor; returns its values when they can be read without a sync."""
-        if not isinstance(t, torch.Tensor):
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
-        problem = subclass_problem(t, self.runtime)
-        if problem is not None:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
-        if t.dtype != torch.int64:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be int64, got {t.dtype}")
-        if t.dim() != 1:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be 1-D, got shape {tuple(t.shape)}")
-        problem = tensor_problem(t, self.runtime)
-        if problem is not None:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
-        rt = self.runtime
-        on_dev = rt.is_device(t)
-        if tier == "host" and on_dev:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a cpu tensor, got one on {rt.tensor_device(t)}")
-        if tier == "device" and rt.has_device and not on_dev:
-            raise InvalidIndicesError(
-                f"{arg} for pool {pool!r} must be on device {rt.device}, got one on {rt.tensor_device(t)}"
-            )
-        n = t.numel()
-        if n == 0 and not allow_empty:
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} is empty")
-        alloc = self._alloc(pool, tier)
-        if n % alloc.page_size:
-            raise PageSizeError(
-                f"{arg} for pool {pool!r} ({tier}) has {n} entries, not a multiple of page size {alloc.page_size}"
-            )
-        if not rt.values_readable(t):
-            return None
-        values: list[int] = rt.to_host(t).tolist()
-        cap = alloc.capacity
-        out = [v for v in values if not 0 <= v < cap]
-        if out:
-            raise SlotNotAllocatedError(f"{arg} for pool {pool!r} ({tier}): slots {out[:8]} out of range 0..{cap - 1}")
-        if len(set(values)) != n:
-            seen: set[int] = set()
-            dup = [v for v in values if v in seen or seen.add(v)]  # type: ignore[func-returns-value]
-            raise InvalidIndicesError(f"{arg} for pool {pool!r} has duplicate slots {sorted(set(dup))[:8]}")
-        if must_be_allocated:
-            alloc.check_allocated(values, arg)
-        return values
+        """Check an index tensor; returns its values when they can be read without a sync
+        (:func:`~hicache_obs.core.validation.check_index_tensor`)."""
+        return check_index_tensor(
+            t,
+            arg=arg,
+            pool=pool,
+            tier=tier,
+            runtime=self.runtime,
+            allocator=self._alloc,
+            allow_empty=allow_empty,
+            must_be_allocated=must_be_allocated,
+        )
 
     def _alloc_many(self, requests: list[tuple[str, str, int]], op: int) -> list[torch.Tensor] | None:
         """Allocate several pools at once; on any failure roll back what was taken."""
@@ -460,66 +427,7 @@ class HiCacheController:
     def _check_transfers(
         self, pool_transfers: Sequence[PoolTransfer] | None, direction: str
     ) -> tuple[PoolTransfer, ...] | None:
-        if pool_transfers is None:
-            return None
-        if not isinstance(pool_transfers, (list, tuple)):
-            raise InvalidIndicesError(
-                f"pool_transfers must be a list or tuple of PoolTransfer or None, got {type(pool_transfers).__name__}"
-            )
-        out = []
-        for t in pool_transfers:
-            if not isinstance(t, PoolTransfer):
-                raise InvalidIndicesError(f"pool_transfers entries must be PoolTransfer, got {type(t).__name__}")
-            if t.pool not in self.spec.pool_names or t.pool == ANCHOR:
-                raise UnknownPoolError(
-                    f"pool transfer names pool {t.pool!r}; sidecar pools of model {self.spec.name!r}: "
-                    f"{', '.join(p for p in self.spec.pool_names if p != ANCHOR) or 'none'}"
-                )
-            if t.indices_from_pool is not None:
-                if t.indices_from_pool not in self.spec.pool_names or t.indices_from_pool == t.pool:
-                    raise UnknownPoolError(
-                        f"pool transfer {t.pool!r}: indices_from_pool {t.indices_from_pool!r} is not another pool"
-                    )
-                owners = {ANCHOR} | {
-                    o.pool for o in pool_transfers if isinstance(o, PoolTransfer) and o.indices_from_pool is None
-                }
-                if t.indices_from_pool not in owners:
-                    raise UnresolvedTransferError(
-                        f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}, which this request "
-                        "does not move; reuse 'kv' or a pool with its own transfer here"
-                    )
-                if t.host_indices is not None or t.device_indices is not None:
-                    raise InvalidIndicesError(
-                        f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}'s indices and must not carry its own"
-                    )
-                for tier in ("device", "host"):
-                    src_pool, dst_pool = self._pool(t.indices_from_pool, tier), self._pool(t.pool, tier)
-                    if src_pool.page_size != dst_pool.page_size or src_pool.size != dst_pool.size:
-                        raise PageSizeError(
-                            f"pool transfer {t.pool!r} cannot reuse the indices of pool {t.indices_from_pool!r}: "
-                            f"their {tier} pools differ (page size {dst_pool.page_size} vs {src_pool.page_size}, "
-                            f"{dst_pool.size} vs {src_pool.size} slots)"
-                        )
-                out.append(t)
-                continue
-            src = t.device_indices if direction == D2H else t.host_indices
-            if src is None:
-                side = "device_indices" if direction == D2H else "host_indices"
-                raise UnresolvedTransferError(
-                    f"pool transfer {t.pool!r}: {side} is None; a {'write' if direction == D2H else 'load'} "
-                    f"needs the {side} resolved before it is queued"
-                )
-            out.append(t)
-        if len({(t.pool, t.indices_from_pool) for t in out}) != len(out):
-            raise InvalidIndicesError("pool_transfers names the same pool twice")
-        return tuple(out)
-
-    @staticmethod
-    def _check_request(priority: object, node_id: object) -> None:
-        if isinstance(node_id, bool) or not isinstance(node_id, int):
-            raise InvalidIndicesError(f"node_id must be an int, got {type(node_id).__name__} {node_id!r}")
-        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-            raise InvalidIndicesError(f"priority must be an int or None, got {type(priority).__name__} {priority!r}")
+        return check_transfers(pool_transfers, direction, self.spec, self._pool)
 
     def _admit(
         self,
@@ -534,7 +442,7 @@ class HiCacheController:
         have, need = ("device", "host") if direction == D2H else ("host", "device")
         arg, other = f"{have}_indices", f"{need}_indices"
         self._check_open()
-        self._check_request(priority, node_id)
+        check_request(priority, node_id)
         transfers = self._check_transfers(pool_transfers, direction)
         self._validate(given, arg=arg, pool=ANCHOR, tier=have, allow_empty=bool(transfers))
         reqs = [(ANCHOR, need, given.numel())]

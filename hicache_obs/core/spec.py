@@ -8,7 +8,11 @@ import torch
 
 from ..errors import ConfigError
 
-__all__ = ["ModelSpec", "PlaneSpec", "MODEL_PRESETS"]
+__all__ = ["ANCHOR", "ModelSpec", "PlaneSpec", "MODEL_PRESETS"]
+
+#: the pool every request moves (the KV cache); a model's other pools travel with it as
+#: pool transfers
+ANCHOR = "kv"
 
 
 @dataclass(frozen=True)

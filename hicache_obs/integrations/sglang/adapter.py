@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ..._native import runs_of
+from ...core.spec import ANCHOR
 from ...errors import IntegrationError
 from ...events.log import EventLog
 from ...events.schema import (
@@ -63,7 +64,6 @@ from .record_stream import RECORDS, current
 
 __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
-ANCHOR = "kv"
 _log = logging.getLogger("hicache_obs.integrations.sglang")
 # controller -> its instrumentation, weakly both ways: the wrappers on the controller keep the
 # instrumentation alive exactly as long as the controller

@@ -1,0 +1,161 @@
+"""The checks a controller runs on what a caller hands it, before anything is allocated.
+
+Each raises the project's error for bad input (naming the argument, the pool and the
+value) and changes nothing: :func:`check_index_tensor` for one index tensor of one pool
+and tier, :func:`check_transfers` for a request's sidecar pool transfers,
+:func:`check_request` for its priority and node id. The controller calls them under its
+lock; they read the pools only through the callables they are given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import (
+    InvalidIndicesError,
+    PageSizeError,
+    SlotNotAllocatedError,
+    UnknownPoolError,
+    UnresolvedTransferError,
+)
+from ..events.schema import D2H
+from .operations import PoolTransfer
+from .pools import SlotAllocator
+from .runtime import Runtime
+from .spec import ANCHOR, ModelSpec
+from .tensors import subclass_problem, tensor_problem
+
+__all__ = ["check_index_tensor", "check_request", "check_transfers"]
+
+
+def check_index_tensor(
+    t: object,
+    *,
+    arg: str,
+    pool: str,
+    tier: str,
+    runtime: Runtime,
+    allocator: Callable[[str, str], SlotAllocator],
+    allow_empty: bool = False,
+    must_be_allocated: bool = True,
+) -> list[int] | None:
+    """Check ``t`` as the ``arg`` of ``pool``'s ``tier`` (``allocator(pool, tier)`` is its
+    slot allocator): a 1-D int64 tensor of whole pages, on the tier's device, with slots in
+    range, no duplicates and (``must_be_allocated``) all allocated. Returns its values when
+    they can be read without a sync, else None."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+    problem = subclass_problem(t, runtime)
+    if problem is not None:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
+    if t.dtype != torch.int64:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} must be int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} must be 1-D, got shape {tuple(t.shape)}")
+    problem = tensor_problem(t, runtime)
+    if problem is not None:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
+    rt = runtime
+    on_dev = rt.is_device(t)
+    if tier == "host" and on_dev:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a cpu tensor, got one on {rt.tensor_device(t)}")
+    if tier == "device" and rt.has_device and not on_dev:
+        raise InvalidIndicesError(
+            f"{arg} for pool {pool!r} must be on device {rt.device}, got one on {rt.tensor_device(t)}"
+        )
+    n = t.numel()
+    if n == 0 and not allow_empty:
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} is empty")
+    alloc = allocator(pool, tier)
+    if n % alloc.page_size:
+        raise PageSizeError(
+            f"{arg} for pool {pool!r} ({tier}) has {n} entries, not a multiple of page size {alloc.page_size}"
+        )
+    if not rt.values_readable(t):
+        return None
+    values: list[int] = rt.to_host(t).tolist()
+    cap = alloc.capacity
+    out = [v for v in values if not 0 <= v < cap]
+    if out:
+        raise SlotNotAllocatedError(f"{arg} for pool {pool!r} ({tier}): slots {out[:8]} out of range 0..{cap - 1}")
+    if len(set(values)) != n:
+        seen: set[int] = set()
+        dup = [v for v in values if v in seen or seen.add(v)]  # type: ignore[func-returns-value]
+        raise InvalidIndicesError(f"{arg} for pool {pool!r} has duplicate slots {sorted(set(dup))[:8]}")
+    if must_be_allocated:
+        alloc.check_allocated(values, arg)
+    return values
+
+
+def check_transfers(
+    pool_transfers: Sequence[PoolTransfer] | None,
+    direction: str,
+    spec: ModelSpec,
+    pool_of: Callable[[str, str], Any],
+) -> tuple[PoolTransfer, ...] | None:
+    """Check a request's sidecar pool transfers (``pool_of(pool, tier)`` is a pool, for the
+    sizes of pools that share indices); the transfers as a tuple, or None for none."""
+    if pool_transfers is None:
+        return None
+    if not isinstance(pool_transfers, (list, tuple)):
+        raise InvalidIndicesError(
+            f"pool_transfers must be a list or tuple of PoolTransfer or None, got {type(pool_transfers).__name__}"
+        )
+    out = []
+    for t in pool_transfers:
+        if not isinstance(t, PoolTransfer):
+            raise InvalidIndicesError(f"pool_transfers entries must be PoolTransfer, got {type(t).__name__}")
+        if t.pool not in spec.pool_names or t.pool == ANCHOR:
+            raise UnknownPoolError(
+                f"pool transfer names pool {t.pool!r}; sidecar pools of model {spec.name!r}: "
+                f"{', '.join(p for p in spec.pool_names if p != ANCHOR) or 'none'}"
+            )
+        if t.indices_from_pool is not None:
+            if t.indices_from_pool not in spec.pool_names or t.indices_from_pool == t.pool:
+                raise UnknownPoolError(
+                    f"pool transfer {t.pool!r}: indices_from_pool {t.indices_from_pool!r} is not another pool"
+                )
+            owners = {ANCHOR} | {
+                o.pool for o in pool_transfers if isinstance(o, PoolTransfer) and o.indices_from_pool is None
+            }
+            if t.indices_from_pool not in owners:
+                raise UnresolvedTransferError(
+                    f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}, which this request "
+                    "does not move; reuse 'kv' or a pool with its own transfer here"
+                )
+            if t.host_indices is not None or t.device_indices is not None:
+                raise InvalidIndicesError(
+                    f"pool transfer {t.pool!r} reuses pool {t.indices_from_pool!r}'s indices and must not carry its own"
+                )
+            for tier in ("device", "host"):
+                src_pool, dst_pool = pool_of(t.indices_from_pool, tier), pool_of(t.pool, tier)
+                if src_pool.page_size != dst_pool.page_size or src_pool.size != dst_pool.size:
+                    raise PageSizeError(
+                        f"pool transfer {t.pool!r} cannot reuse the indices of pool {t.indices_from_pool!r}: "
+                        f"their {tier} pools differ (page size {dst_pool.page_size} vs {src_pool.page_size}, "
+                        f"{dst_pool.size} vs {src_pool.size} slots)"
+                    )
+            out.append(t)
+            continue
+        src = t.device_indices if direction == D2H else t.host_indices
+        if src is None:
+            side = "device_indices" if direction == D2H else "host_indices"
+            raise UnresolvedTransferError(
+                f"pool transfer {t.pool!r}: {side} is None; a {'write' if direction == D2H else 'load'} "
+                f"needs the {side} resolved before it is queued"
+            )
+        out.append(t)
+    if len({(t.pool, t.indices_from_pool) for t in out}) != len(out):
+        raise InvalidIndicesError("pool_transfers names the same pool twice")
+    return tuple(out)
+
+
+def check_request(priority: object, node_id: object) -> None:
+    """A request's ``node_id`` is an int and its ``priority`` an int or None."""
+    if isinstance(node_id, bool) or not isinstance(node_id, int):
+        raise InvalidIndicesError(f"node_id must be an int, got {type(node_id).__name__} {node_id!r}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidIndicesError(f"priority must be an int or None, got {type(priority).__name__} {priority!r}")
