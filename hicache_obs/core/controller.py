@@ -18,7 +18,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +50,7 @@ from ..events.schema import (
     runs_from_list,
 )
 from ..events.state import CacheState
+from .acks import Ack, Given, InFlightCopy
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
@@ -76,42 +76,6 @@ __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT
 #: ``event_detail`` values: every event, or only those the bookkeeping fold needs.
 EVENT_DETAILS = ("full", "bookkeeping")
 _log = logging.getLogger("hicache_obs.controller")
-
-
-@dataclass(frozen=True)
-class Ack:
-    """A reaped operation: what :meth:`HiCacheController.poll_writes`/``poll_loads`` return."""
-
-    op_id: int
-    direction: str
-    node_ids: tuple[int, ...]
-    ok: bool
-    error: str | None
-    duration_ns: int | None
-    layer_durations_ns: tuple[int, ...] | None
-    slots_by_pool: tuple[tuple[str, int], ...]
-    bytes_by_pool: tuple[tuple[str, int], ...]
-    producer_id: int = -1
-
-
-@dataclass
-class _PendingAck:
-    op_id: int
-    direction: str
-    node_ids: tuple[int, ...]
-    start: DeviceEvent
-    finish: DeviceEvent
-    layer_events: list[DeviceEvent] | None
-    slots_by_pool: tuple[tuple[str, int], ...]
-    bytes_by_pool: tuple[tuple[str, int], ...]
-    producer_id: int
-    error: str | None = None
-    fault: CopyFault | None = None  # what the op's copies raised, wherever they ran
-    given: tuple[tuple[str, str, torch.Tensor], ...] = ()  # (pool, tier, slots) allocated for the op
-
-
-#: the slots the controller allocated for an op: (pool, tier, CPU int64 slots) per pool
-_Given = tuple[tuple[str, str, torch.Tensor], ...]
 
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
@@ -212,8 +176,8 @@ class HiCacheController:
         self._next_id = 0
         self._ops: dict[int, CacheOperation] = {}
         #: op id -> the slots allocated for it, until it is reaped (close frees a failed op's)
-        self._given: dict[int, _Given] = {}
-        self._acks: dict[str, deque[_PendingAck]] = {D2H: deque(), H2D: deque()}
+        self._given: dict[int, Given] = {}
+        self._acks: dict[str, deque[InFlightCopy]] = {D2H: deque(), H2D: deque()}
 
         sizes = self._device_sizes(device_size, pool_sizes or {})
         ratio = host_ratio
@@ -749,7 +713,7 @@ class HiCacheController:
         """The runs a copy takes, or ``None`` for the index kernels (see ``runs_for_copy``)."""
         return runs_for_copy(self.io_backend, self._native_copies, host, runs)
 
-    def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> _PendingAck:
+    def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> InFlightCopy:
         """Submit a moved op. Whatever fails from here on is this op's failure: an ack with
         its error, reaped in FIFO order as a ``TransferFailed``, never an exception."""
         rt = self.runtime
@@ -785,7 +749,7 @@ class HiCacheController:
         )
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
         fault = CopyFault()
-        ack = _PendingAck(
+        ack = InFlightCopy(
             op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id,
             fault=fault, given=given,
         )
@@ -854,8 +818,8 @@ class HiCacheController:
         stream: Any,
         producer_id: int,
         exc: BaseException,
-        given: _Given,
-    ) -> _PendingAck:
+        given: Given,
+    ) -> InFlightCopy:
         """End an op that launched nothing: a ``TransferSubmitted`` without tensors (no copy
         received any) and an ack carrying ``exc``, reaped in FIFO order as its
         ``TransferFailed``."""
@@ -876,7 +840,7 @@ class HiCacheController:
         )
         finish = rt.event(self.enable_timing)
         finish.record()  # on the main stream: nothing of this op was queued anywhere
-        ack = _PendingAck(
+        ack = InFlightCopy(
             op_id, direction, node_ids, finish, finish, None, slots, bytes_by_pool, producer_id,
             error=f"{type(exc).__name__}: {exc}", given=given,
         )
@@ -976,38 +940,17 @@ class HiCacheController:
             q = self._acks[direction]
             while q:
                 a = q[0]
-                stuck = False
-                try:
-                    done = a.finish.query()
-                except Exception as exc:
-                    _log.warning("op %d (%s): the runtime failed to answer for its transfer: %s", a.op_id, direction, exc)
-                    a.error = a.error or f"{type(exc).__name__}: {exc}"
-                    done = True
+                done, stuck = a.settle(closing=closing)
                 if not done:
-                    if not closing:
-                        break
-                    # the runtime still calls it unfinished after synchronize(): its copies may
-                    # yet write, so its slots are not handed back
-                    a.error = a.error or "RuntimeError: still unfinished at close(), after the runtime's synchronize()"
-                    stuck = True
+                    break
                 q.popleft()
-                if a.error is None and a.fault is not None and a.fault.error is not None:
-                    e = a.fault.error
-                    a.error = f"{type(e).__name__}: {e}"
-                    _log.warning("transfer of op %d (%s) failed on its stream: %s", a.op_id, direction, a.error)
                 if a.error is not None:
                     self._emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
-                    out.append(
-                        Ack(a.op_id, direction, a.node_ids, False, a.error, None, None, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
-                    )
+                    out.append(a.ack())
                     if closing and not stuck:
                         self._free_given(a.op_id, a.given)
                     continue
-                dur = self._elapsed(a.start, a.finish)
-                layers = None
-                if a.layer_events is not None:
-                    ls = [self._elapsed(a.start, e) for e in a.layer_events]
-                    layers = tuple(x for x in ls if x is not None) if all(x is not None for x in ls) else None
+                dur, layers = a.durations()
                 self._emit(
                     TransferCompleted,
                     op=a.op_id,
@@ -1015,20 +958,10 @@ class HiCacheController:
                     duration_ns=dur if dur is not None else 0,
                     layer_durations_ns=layers,
                 )
-                out.append(
-                    Ack(a.op_id, direction, a.node_ids, True, None, dur, layers, a.slots_by_pool, a.bytes_by_pool, a.producer_id)
-                )
+                out.append(a.ack(dur, layers))
             return out
 
-    @staticmethod
-    def _elapsed(start: DeviceEvent, end: DeviceEvent) -> int | None:
-        try:
-            return start.elapsed_ns(end)
-        except Exception:  # no timing is a value (None), not a failed transfer
-            _log.exception("a runtime event failed to report its elapsed time")
-            return None
-
-    def _free_given(self, op_id: int, given: _Given) -> None:
+    def _free_given(self, op_id: int, given: Given) -> None:
         """Free the slots allocated for a failed op (``reason="failed"``), those still allocated."""
         for pool, tier, t in given:
             values = t.tolist()
