@@ -18,6 +18,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,8 +81,27 @@ _log = logging.getLogger("hicache_obs.controller")
 
 _DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
 
-#: (pool, host indices, device indices, their ``pair_runs`` when the values are on the CPU)
-_Pair = tuple[str, torch.Tensor, torch.Tensor, Any]
+@dataclass(slots=True)
+class IndexPair:
+    """One pool's index tensors of a submission, and their ``pair_runs`` when both tensors'
+    values are on the CPU (read once: the events and the copies share them), else None."""
+
+    pool: str
+    host: torch.Tensor
+    device: torch.Tensor
+    runs: Any = None
+
+
+@dataclass(slots=True)
+class _Expected:
+    """The runtime call the controller is making for one of its index tensors: the record
+    or move the runtime then reports is this op's (``known``: the values' runs, read before)."""
+
+    op: int
+    pool: str
+    role: str
+    tensor: torch.Tensor
+    known: Any = None
 
 
 class HiCacheController:
@@ -159,8 +179,8 @@ class HiCacheController:
         #: (id(tensor), pool, role) -> the TensorRef the submission in progress described
         self._submitted_refs: dict[tuple[int, str, str], TensorRef] = {}
         # what the next runtime report is about: (op, pool, role, tensor[, known runs])
-        self._expect_record: tuple[int, str, str, torch.Tensor] | None = None
-        self._expect_move: tuple[int, str, str, torch.Tensor, Any] | None = None
+        self._expect_record: _Expected | None = None
+        self._expect_move: _Expected | None = None
         observers = getattr(self.runtime, "observers", None)
         if observers is None:
             raise ConfigError(
@@ -291,11 +311,12 @@ class HiCacheController:
             indices=runs or None,
         )
 
-    def _submit_refs(self, op: CacheOperation, pairs: list[_Pair]) -> list[TensorRef]:
+    def _submit_refs(self, op: CacheOperation, pairs: list[IndexPair]) -> list[TensorRef]:
         """The tensors of a submission; run lists taken from the pairs' runs when known."""
         aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
         refs = []
-        for pool, h, d, pr in pairs:
+        for p in pairs:
+            pool, h, d, pr = p.pool, p.host, p.device, p.runs
             if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
                 refs.append(self._ref(h, pool, "host", ()))
                 refs.append(self._ref(d, pool, "device", ()))
@@ -630,7 +651,7 @@ class HiCacheController:
         """Copy an index tensor to the device (non-blocking) or to the host; the runtime
         reports the copy (``IndicesMoved``). ``known``: the values' runs, read before."""
         rt = self.runtime
-        self._expect_move = (op, pool, role, t, known)
+        self._expect_move = _Expected(op, pool, role, t, known)
         try:
             return rt.to_device(t, non_blocking=True) if to_device else rt.to_host(t)
         finally:
@@ -659,7 +680,7 @@ class HiCacheController:
         rt = self.runtime
         for role, t in (("host", host), ("device", device)):
             if rt.is_device(t):
-                self._expect_record = (op, pool, role, t)
+                self._expect_record = _Expected(op, pool, role, t)
                 try:
                     rt.record_stream(t, stream)  # the runtime reports the record it made
                 finally:
@@ -668,9 +689,9 @@ class HiCacheController:
     def _observed_record(self, tensor: torch.Tensor, stream: Any) -> None:
         """The runtime recorded ``tensor`` on ``stream``: a ``StreamRecorded`` if it is ours."""
         exp = self._expect_record
-        if exp is None or exp[3] is not tensor:
+        if exp is None or exp.tensor is not tensor:
             return  # another controller's record, on a shared runtime
-        op, pool, role, t = exp
+        op, pool, role, t = exp.op, exp.pool, exp.role, exp.tensor
         # the submission just described this tensor (the same pool and role)
         ref = self._submitted_refs.get((id(t), pool, role)) or self._ref(t, pool, role)
         self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref)
@@ -678,9 +699,9 @@ class HiCacheController:
     def _observed_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The runtime copied index tensor ``src`` to ``dst``: an ``IndicesMoved`` if it is ours."""
         exp = self._expect_move
-        if exp is None or exp[3] is not src:
+        if exp is None or exp.tensor is not src:
             return
-        op, pool, role, _, known = exp
+        op, pool, role, known = exp.op, exp.pool, exp.role, exp.known
         self.log.emit(  # not folded by the bookkeeping: no need of _emit's immediate fold
             IndicesMoved,
             op=op,
@@ -692,22 +713,20 @@ class HiCacheController:
         )
 
     # ----------------------------------------------------------- submission
-    def _pairs(self, op: CacheOperation) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-        pairs = [(ANCHOR, op.host_indices, op.device_indices)]
+    def _pairs(self, op: CacheOperation) -> list[IndexPair]:
+        """The op's index pairs, the anchor's first, each with its runs where they are readable."""
+        rt = self.runtime
+        pairs = [IndexPair(ANCHOR, op.host_indices, op.device_indices)]
         for t in op.pool_transfers or ():
             if t.host_indices is None or t.device_indices is None:
                 raise UnresolvedTransferError(
                     f"pool transfer {t.pool!r} of op {op.id} reached submission with "
                     f"{'host' if t.host_indices is None else 'device'}_indices None"
                 )
-            pairs.append((t.pool, t.host_indices, t.device_indices))
+            pairs.append(IndexPair(t.pool, t.host_indices, t.device_indices))
+        for p in pairs:
+            p.runs = host_pair_runs(rt, p.host, p.device)
         return pairs
-
-    def _with_runs(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> list[_Pair]:
-        """Each pair with its ``pair_runs`` when both index tensors' values are on the CPU
-        (read once: the events and the copies share them), else ``None``."""
-        rt = self.runtime
-        return [(pool, h, d, host_pair_runs(rt, h, d)) for pool, h, d in pairs]
 
     def _runs_for(self, host: torch.Tensor, runs: Any) -> Any:
         """The runs a copy takes, or ``None`` for the index kernels (see ``runs_for_copy``)."""
@@ -721,7 +740,7 @@ class HiCacheController:
         # (a KeyboardInterrupt) leaves the op to close(), which then still has its slots
         given = self._given.get(op.id, ())
         try:
-            pairs = self._with_runs(self._pairs(op))
+            pairs = self._pairs(op)
             slots = self._slots_by_pool(op)
             bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
             refs = self._submit_refs(op, pairs) if self._detail else []
@@ -756,8 +775,8 @@ class HiCacheController:
         if refs:  # the stream records below describe the same tensors: _record_pair reuses these
             self._submitted_refs = {
                 key: ref
-                for (pool, h, d, _), rh, rd in zip(pairs, refs[0::2], refs[1::2])
-                for key, ref in (((id(h), pool, "host"), rh), ((id(d), pool, "device"), rd))
+                for p, rh, rd in zip(pairs, refs[0::2], refs[1::2])
+                for key, ref in (((id(p.host), p.pool, "host"), rh), ((id(p.device), p.pool, "device"), rd))
             }
         try:
             with rt.use(stream):
@@ -849,24 +868,27 @@ class HiCacheController:
         self._acks[direction].append(ack)
         return ack
 
-    def _launch_write(self, pairs: list[_Pair], fault: CopyFault) -> None:
+    def _launch_write(self, pairs: list[IndexPair], fault: CopyFault) -> None:
         rt = self.runtime
-        pairs = [p for p in pairs if p[1].numel()]
+        pairs = [p for p in pairs if p.host.numel()]
         if self.io_backend == "kernel":
             # check every pool before launching any copy: a copy queued before a later
             # pool's check failed would run with index tensors nobody recorded
-            for pool, h, d, _ in pairs:
-                check_kernel_indices(rt, pool, h, d)
-        for pool, h, d, pr in pairs:
-            launch_backup(rt, self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr), fault)
+            for p in pairs:
+                check_kernel_indices(rt, p.pool, p.host, p.device)
+        for p in pairs:
+            launch_backup(
+                rt, self.host_pools[p.pool], self.device_pools[p.pool], p.host, p.device,
+                self._runs_for(p.host, p.runs), fault,
+            )  # fmt: skip
 
-    def _launch_load(self, pairs: list[_Pair], producer_id: int, fault: CopyFault) -> list[DeviceEvent]:
+    def _launch_load(self, pairs: list[IndexPair], producer_id: int, fault: CopyFault) -> list[DeviceEvent]:
         rt = self.runtime
         plan = []
-        for pool, h, d, pr in pairs:
+        for p in pairs:
             if self.io_backend == "kernel":
-                check_kernel_indices(rt, pool, h, d)
-            plan.append((self.host_pools[pool], self.device_pools[pool], h, d, self._runs_for(h, pr)))
+                check_kernel_indices(rt, p.pool, p.host, p.device)
+            plan.append((self.host_pools[p.pool], self.device_pools[p.pool], p.host, p.device, self._runs_for(p.host, p.runs)))
         events = []
         if not rt.has_device:
             # nothing can overlap a synchronous copy: move every layer in one pass, then
