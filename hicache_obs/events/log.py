@@ -223,6 +223,29 @@ class EventLog(LogCore):
         return dict(self._subscriber_errors)
 
     # ------------------------------------------------------------------- read
+    def read(self, start: int, end: int) -> list[Event]:
+        """The events ``[start, end)`` the ring still holds intact, oldest first.
+
+        ``end`` may not pass :attr:`published`. The ring keeps the last ``ring_size``
+        events, and a producer may lap it while this reads: an event overwritten before it
+        was read is left out, so the list is short by the events lost (a sink runner counts
+        them as dropped). It takes no lock: a sink's worker thread reads while the producer emits.
+        """
+        if not 0 <= start <= end <= self.published:
+            raise ValueError(
+                f"read({start}, {end}): the range must satisfy 0 <= start <= end <= published "
+                f"({self.published})"
+            )
+        ring, mask = self._ring, self._mask
+        batch = [ring[i & mask] for i in range(start, end)]
+        # the producer may have lapped the ring while we read (any slot, not only the ends):
+        # if it published far enough to reach the range, keep what is intact
+        if batch and (
+            self.published - self.ring_size > start or batch[0].seq != start or batch[-1].seq != end - 1
+        ):
+            batch = [ev for i, ev in enumerate(batch) if getattr(ev, "seq", None) == start + i]
+        return batch
+
     def events(self) -> list[Event]:
         """The retained events, oldest first."""
         with self._lock:

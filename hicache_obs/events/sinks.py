@@ -156,9 +156,7 @@ class SinkRunner:
 
     # --------------------------------------------------------- worker side
     def _run(self) -> None:
-        log = self.log
-        ring = log._ring
-        mask = log._mask
+        read = self.log.read
         progress = self._progress
         while True:
             pub = self._end()
@@ -175,12 +173,7 @@ class SinkRunner:
             lag = pub - nxt
             lost = lag - self.max_queue if lag > self.max_queue else 0
             end = min(pub, nxt + lost + self.batch_size)
-            batch = [ring[i & mask] for i in range(nxt + lost, end)]
-            # the producer may have lapped the ring while we read (any slot, not only the
-            # ends): if it published far enough to reach our range, keep what is intact
-            first = nxt + lost
-            if log.published - log.ring_size > first or batch[0].seq != first or batch[-1].seq != end - 1:
-                batch = [ev for i, ev in enumerate(batch) if getattr(ev, "seq", None) == first + i]
+            batch = read(nxt + lost, end)  # short by what the producer lapped meanwhile
             with progress:
                 if self.next != nxt:  # close() took the rest meanwhile (counted there)
                     continue
