@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from hicache_obs.errors import ConfigError
+from hicache_obs.events.log import HandoffWake
 from hicache_obs.events.sinks import report_losses
 from hicache_obs.events.store import close_at_exit
 
@@ -28,8 +29,8 @@ class HostFeeder:
     last hand-off) while the producer emits; :meth:`take` encodes them into one frame and
     writes what the pipe takes without waiting. No worker thread runs while the controller works, so the
     controller never waits for the GIL to come back from one. A watcher thread sleeps
-    without the GIL in ``_wait_handoff`` and acts only when the producer is idle with
-    events waiting, or when frames wait for room in the pipe.
+    without the GIL in its :class:`~hicache_obs.events.log.FeederHandle`'s ``wait`` and acts
+    only when the producer is idle with events waiting, or when frames wait for room in the pipe.
 
     When more than ``max_queue`` events wait for the pipe (a child that does not keep
     up), policy ``"drop"`` drops the oldest whole frames not begun; ``"block"`` first
@@ -66,6 +67,11 @@ class HostFeeder:
         self.max_queue = max_queue
         self.block_timeout = block_timeout
         self.errors = 0
+        # guards the feeder's own state (next, errors, the report's clock, close's once-only
+        # check): take() runs on the producer's thread, the watcher and flush/close on others.
+        # A leaf lock: nothing else is taken while it is held (take holds the log's lock outside it)
+        self._lock = threading.Lock()
+        self._closing = False
         self._lost = 0  # events that never reached the host's queue (the ring lapped them, encoding failed)
         self._closed = False
         self._stopped_at: int | None = None
@@ -77,11 +83,12 @@ class HostFeeder:
         self._kicked = False
         try:
             self.start_seq = log.attach_feeder(self, backfill=backfill, batch=batch, interval=interval)
+            self._handle = log.feeder_handle(self)
         except BaseException:
             os.close(self._wake_r)
             os.close(self._wake_w)
             raise
-        with log._lock:
+        with self._lock:  # a hand-off may have come first (it set next)
             if self.next is None:
                 self.next = self.start_seq
         self._thread = threading.Thread(target=self._watch, name=f"hicache-feeder-{self.name}", daemon=True)
@@ -108,15 +115,16 @@ class HostFeeder:
     # ------------------------------------------------------ producer's side
     def take(self, start: int, events: list[Any]) -> None:
         """Events ``start, start + 1, ...`` from the log (its lock held): queue them for the child."""
-        nxt = start if self.next is None else self.next
-        end = start + len(events)
-        if end <= nxt or self._closed:
-            return
-        if start > nxt:  # the ring lapped events not taken yet
-            self._lost += start - nxt
-        elif start < nxt:
-            events = events[nxt - start :]
-        self.next = end
+        with self._lock:
+            nxt = start if self.next is None else self.next
+            end = start + len(events)
+            if end <= nxt or self._closed:
+                return
+            if start > nxt:  # the ring lapped events not taken yet
+                self._lost += start - nxt
+            elif start < nxt:
+                events = events[nxt - start :]
+            self.next = end
         host = self.sink
         try:
             frame = host.encode(events)
@@ -139,7 +147,7 @@ class HostFeeder:
 
     def _failed(self, what: str, exc: BaseException, n: int) -> None:
         # the producer, the watcher and a flushing thread all count here: one at a time
-        with self.log._lock:
+        with self._lock:
             self.errors += 1
             now = time.monotonic()
             report = self.errors == 1 or now - self._last_report >= 10.0  # not a line per batch from a dead child
@@ -162,21 +170,19 @@ class HostFeeder:
             os.write(self._wake_w, b"w")
 
     def _watch(self) -> None:
-        log, host = self.log, self.sink
+        handle, host = self._handle, self.sink
         try:
             while True:
                 out = host.out_fd if host.queued_events else -1
-                code = log._wait_handoff(1.0, self._wake_r, out)
-                if code == 3:  # woken: close, or frames left queued (watched from the next wait on)
+                code = handle.wait(1.0, self._wake_r, out)
+                if code == HandoffWake.WOKEN:  # close, or frames left queued (watched from the next wait on)
                     os.read(self._wake_r, 4096)
                     self._kicked = False
                     if self._closed:
                         return
-                elif code == 1:  # the producer went idle with events waiting
-                    with log._lock:
-                        if not self._closed:
-                            log._handoff_now()
-                elif code == 2:  # room in the pipe for what waits
+                elif code == HandoffWake.DUE:  # the producer went idle with events waiting
+                    handle.handoff_now()  # nothing once close detached the feeder
+                elif code == HandoffWake.WRITABLE:  # room in the pipe for what waits
                     try:
                         host.pump()
                     except SinkHostError as exc:
@@ -189,10 +195,8 @@ class HostFeeder:
     # ------------------------------------------------------------ runner API
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Hand over what is published, then wait until the child handled it and flushed its sinks."""
-        with self.log._lock:
-            if self._closed:  # close flushed everything the feeder was offered
-                return True
-            self.log._handoff_now()
+        if not self._handle.handoff_now():  # detached: close flushed everything the feeder was offered
+            return True
         try:
             self.sink.flush(timeout)
         except SinkHostError as exc:
@@ -202,14 +206,15 @@ class HostFeeder:
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Hand over what is published, close the child's sinks (they flush first) and stop."""
-        log = self.log
-        with log._lock:
-            if self._closed:
+        with self._lock:
+            if self._closing:
                 return
-            log._handoff_now()
-            log.detach_feeder(self)
+            self._closing = True
+        # under the log's lock: what is published is handed over, and no take() comes after it
+        stopped = self._handle.detach()
+        with self._lock:
+            self._stopped_at = stopped
             self._closed = True
-            self._stopped_at = log.published
         self._wake()  # the watcher sees _closed and exits
         os.close(self._wake_w)
         try:

@@ -25,18 +25,68 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from enum import IntEnum
 from typing import Any, TypeVar
 
 from .._native import LogCore  # compiled, or a ConfigError (hicache_obs._native)
 from ..errors import ConfigError, SequenceError
 from .schema import Event
 
-__all__ = ["EventLog", "Subscriber"]
+__all__ = ["EventLog", "FeederHandle", "HandoffWake", "Subscriber"]
 
 Subscriber = Callable[[Event], None]
 E = TypeVar("E", bound=Event)
 
 _log = logging.getLogger("hicache_obs.events")
+
+
+class HandoffWake(IntEnum):
+    """Why :meth:`FeederHandle.wait` returned."""
+
+    TIMEOUT = 0  #: the timeout passed
+    DUE = 1  #: events wait and the interval since the last hand-off passed (an idle producer)
+    WRITABLE = 2  #: ``out_fd`` can be written
+    WOKEN = 3  #: ``wake_fd`` can be read
+
+
+class FeederHandle:
+    """What a feeder (``attach_feeder``) does with its log, from its own threads.
+
+    - ``start_seq``: the first seq the feeder is handed (what ``attach_feeder`` returned)
+    - ``handoff_now()``: under the log's lock, hand what waits to the feeders now (a flush,
+      or a watcher that found the producer idle); False once the feeder is detached
+    - ``wait(timeout, wake_fd, out_fd)``: sleep without the GIL until a hand-off is due,
+      ``wake_fd`` is readable or ``out_fd`` writable (-1: not watched), at most ``timeout``
+      seconds; returns a :class:`HandoffWake`
+    - ``detach()``: under the log's lock, hand over what waits, then stop handing events to
+      the feeder; returns ``published`` at that instant (the feeder was handed every event
+      below it). Idempotent.
+    """
+
+    __slots__ = ("feeder", "start_seq", "_handoff", "_wait", "_detach")
+
+    def __init__(
+        self,
+        feeder: Any,
+        start_seq: int,
+        handoff: Callable[[Any], bool],
+        wait: Callable[[float, int, int], int],
+        detach: Callable[[Any], int],
+    ) -> None:
+        self.feeder = feeder
+        self.start_seq = start_seq
+        self._handoff = handoff
+        self._wait = wait
+        self._detach = detach
+
+    def handoff_now(self) -> bool:
+        return self._handoff(self.feeder)
+
+    def wait(self, timeout: float, wake_fd: int = -1, out_fd: int = -1) -> HandoffWake:
+        return HandoffWake(self._wait(timeout, wake_fd, out_fd))
+
+    def detach(self) -> int:
+        return self._detach(self.feeder)
 
 
 class EventLog(LogCore):
@@ -71,6 +121,7 @@ class EventLog(LogCore):
         self._subscriber_errors: dict[str, int] = {}
         self._sinks: list[Any] = []
         self._feeders: list[Any] = []
+        self._feeder_starts: dict[int, int] = {}  # id(feeder) -> the first seq it was handed
         self._feeder_cadence = (256, 0.05)
         self._lock = threading.RLock()
         self._pending: deque[Event] = deque()
@@ -169,9 +220,9 @@ class EventLog(LogCore):
         of them wait or ``interval`` seconds passed since the last hand-off (the compiled
         ``LogCore._set_handoff``). ``take`` runs on the producer's time: it must not block
         beyond a bound of its own, and what it raises is logged here and goes no further.
-        A producer that goes idle leaves the rest to the feeder's own watcher
-        (``_wait_handoff`` sleeps without the GIL until a hand-off is due, then
-        ``_handoff_now`` under the lock). With ``backfill`` the feeder first gets the
+        A producer that goes idle leaves the rest to the feeder's own watcher, through
+        its :meth:`feeder_handle` (``wait`` sleeps without the GIL until a hand-off is due,
+        then ``handoff_now``). With ``backfill`` the feeder first gets the
         recent events the ring still holds, as ``add_sink`` does. Several feeders share one
         cadence: the smallest ``batch`` and ``interval`` asked for. The feeder is listed in
         :attr:`sinks` (``flush``/``close`` of the log reach it).
@@ -194,15 +245,43 @@ class EventLog(LogCore):
                 interval = min(interval, self._feeder_cadence[1])
             self._feeder_cadence = (batch, interval)
             self._feeders.append(feeder)
+            self._feeder_starts[id(feeder)] = start
             self._sinks.append(feeder)
             self._set_handoff(self._handoff, handoff_from, batch, interval)
         return start
+
+    def feeder_handle(self, feeder: Any) -> FeederHandle:
+        """The attached ``feeder``'s handle on this log (see :class:`FeederHandle`)."""
+        with self._lock:
+            if feeder not in self._feeders:
+                raise ConfigError(
+                    f"feeder_handle({type(feeder).__name__}): that feeder is not attached to this log "
+                    "(attach_feeder first)"
+                )
+            start = self._feeder_starts[id(feeder)]
+        return FeederHandle(feeder, start, self._feeder_handoff, self._wait_handoff, self._feeder_detach)
+
+    def _feeder_handoff(self, feeder: Any) -> bool:
+        with self._lock:
+            if feeder not in self._feeders:
+                return False
+            self._handoff_now()  # compiled: hands [handoff_next, published) to every feeder
+            return True
+
+    def _feeder_detach(self, feeder: Any) -> int:
+        with self._lock:
+            if feeder in self._feeders:
+                self._handoff_now()
+            self.detach_feeder(feeder)
+            return self.published
 
     def detach_feeder(self, feeder: Any) -> None:
         """Stop handing events to ``feeder`` (what it was handed stays handed)."""
         with self._lock:
             if feeder in self._feeders:
                 self._feeders.remove(feeder)
+                if feeder not in self._feeders:
+                    self._feeder_starts.pop(id(feeder), None)
             if not self._feeders:
                 self._set_handoff(None, 0, 1, 1.0)
 

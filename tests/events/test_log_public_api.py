@@ -3,9 +3,14 @@ internals: ``read``, the feeder handle, ``bind_owner``/``owner``."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 
+from hicache_obs.errors import ConfigError
 from hicache_obs.events import AllocationFailed, EventLog
+from hicache_obs.events.log import HandoffWake
 
 
 def _emit_n(log: EventLog, n: int) -> None:
@@ -46,3 +51,64 @@ def test_read_outside_what_is_published_is_refused_with_the_range(start: int, en
     assert str(info.value) == (
         f"read({start}, {end}): the range must satisfy 0 <= start <= end <= published (10)"
     )
+
+
+# ------------------------------------------------------------- feeder handle
+class Recorder:
+    """A feeder that keeps what it is handed."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int]]] = []  # (start, seqs)
+
+    def take(self, start: int, events: list[Any]) -> None:
+        self.calls.append((start, [e.seq for e in events]))
+
+
+def test_the_handle_of_a_feeder_hands_off_on_demand_and_detaches() -> None:
+    log = EventLog(ring_size=1 << 12)
+    _emit_n(log, 3000)
+    rec = Recorder()
+    start = log.attach_feeder(rec, batch=1000, interval=3600)
+    assert start == 3000 - (1 << 11)  # backfilled: half the ring
+    handle = log.feeder_handle(rec)
+    assert handle.feeder is rec
+    assert handle.start_seq == start
+    assert rec.calls == []  # attached alone: the first hand-off brings the backfill
+    assert handle.handoff_now() is True
+    assert rec.calls == [(start, list(range(start, 3000)))]
+    _emit_n(log, 5)
+    assert len(rec.calls) == 1  # 5 < batch, and the interval is an hour
+    assert handle.detach() == 3005  # what waited was handed over first
+    assert rec.calls[1:] == [(3000, [3000, 3001, 3002, 3003, 3004])]
+    _emit_n(log, 5)
+    assert handle.handoff_now() is False  # detached: nothing is handed any more
+    assert handle.detach() == 3010  # idempotent: only says where the log is
+    assert len(rec.calls) == 2
+    with pytest.raises(ConfigError) as info:
+        log.feeder_handle(rec)
+    assert str(info.value) == (
+        "feeder_handle(Recorder): that feeder is not attached to this log (attach_feeder first)"
+    )
+
+
+def test_the_handles_wait_says_why_it_woke() -> None:
+    log = EventLog()
+    rec = Recorder()
+    log.attach_feeder(rec, batch=1000, interval=0.02)
+    handle = log.feeder_handle(rec)
+    r, w = os.pipe()
+    try:
+        assert handle.wait(0.0) is HandoffWake.TIMEOUT  # nothing waits
+        _emit_n(log, 3)
+        assert handle.wait(30.0, r, -1) is HandoffWake.DUE  # once the interval passed
+        assert handle.handoff_now()
+        assert rec.calls == [(0, [0, 1, 2])]
+        assert handle.wait(30.0, r, w) is HandoffWake.WRITABLE  # an empty pipe takes bytes
+        os.write(w, b"x")
+        assert handle.wait(30.0, r, -1) is HandoffWake.WOKEN
+        assert [int(code) for code in HandoffWake] == [0, 1, 2, 3]  # the compiled wait's codes
+    finally:
+        os.close(r)
+        os.close(w)
