@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,16 +159,9 @@ class HiCacheController:
             raise ConfigError(f"event_detail must be one of {', '.join(EVENT_DETAILS)}, got {event_detail!r}")
         self._owns_log = log is None
         self.log = log if log is not None else EventLog(rank=rank)
-        owner_ref = getattr(self.log, "_controller", None)
-        owner = owner_ref() if owner_ref is not None else None
-        if owner is not None and not owner.closed:
-            raise ConfigError(
-                f"this EventLog (rank {self.log.rank}) already records an open {type(owner).__name__}; "
-                "its bookkeeping is the fold of that log, so give each controller (each rank) its own log"
-            )
+        self.log.bind_owner(self)  # one open controller per log (a ConfigError otherwise)
         self.rank = self.log.rank
         self.state = CacheState()
-        self.log._controller = weakref.ref(self)  # type: ignore[attr-defined]
         self._unsubscribe_state = self.log.subscribe(self._fold, first=True)
         self.enable_timing = enable_timing
         # "bookkeeping": only the events the state fold needs (no index moves, no stream

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from enum import IntEnum
@@ -124,6 +125,7 @@ class EventLog(LogCore):
         self._feeder_starts: dict[int, int] = {}  # id(feeder) -> the first seq it was handed
         self._feeder_cadence = (256, 0.05)
         self._lock = threading.RLock()
+        self._owner: weakref.ref[Any] | None = None  # the controller whose bookkeeping is this log's fold
         self._pending: deque[Event] = deque()
         self._bind(
             ring=self._ring,
@@ -292,6 +294,34 @@ class EventLog(LogCore):
             except Exception:  # a feeder's own errors are its to count; this is the backstop
                 name = getattr(feeder, "name", feeder)
                 _log.exception("feeder %s failed on events %d..%d", name, start, start + len(events) - 1)
+
+    # ------------------------------------------------------------------ owner
+    def bind_owner(self, owner: Any) -> None:
+        """Make ``owner`` (a controller: an object with a ``closed`` attribute) the log's owner.
+
+        A controller's bookkeeping is the fold of its log, so a log records one open
+        controller at a time: while another owner is alive and not ``closed`` this is a
+        :class:`~hicache_obs.errors.ConfigError`. The log holds its owner weakly.
+        """
+        if not (hasattr(type(owner), "closed") or hasattr(owner, "closed")):  # a property, or set already
+            raise ConfigError(
+                f"bind_owner({type(owner).__name__}): an owner needs a closed attribute "
+                "(a second owner is refused while the first is open)"
+            )
+        with self._lock:
+            current = self.owner
+            if current is not None and current is not owner and not current.closed:
+                raise ConfigError(
+                    f"this EventLog (rank {self.rank}) already records an open {type(current).__name__}; "
+                    "its bookkeeping is the fold of that log, so give each controller (each rank) its own log"
+                )
+            self._owner = weakref.ref(owner)
+
+    @property
+    def owner(self) -> Any:
+        """The object :meth:`bind_owner` bound last while it is alive (closed or not), else None."""
+        ref = self._owner
+        return ref() if ref is not None else None
 
     @property
     def sinks(self) -> list[Any]:

@@ -3,6 +3,7 @@ internals: ``read``, the feeder handle, ``bind_owner``/``owner``."""
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -112,3 +113,54 @@ def test_the_handles_wait_says_why_it_woke() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+# --------------------------------------------------------------------- owner
+class Owner:
+    def __init__(self) -> None:
+        self.closed = False
+
+
+def test_a_log_has_one_open_owner_at_a_time() -> None:
+    log = EventLog(rank=2)
+    assert log.owner is None
+    a, b = Owner(), Owner()
+    log.bind_owner(a)
+    assert log.owner is a
+    log.bind_owner(a)  # binding the owner again changes nothing
+    with pytest.raises(ConfigError) as info:
+        log.bind_owner(b)
+    assert str(info.value) == (
+        "this EventLog (rank 2) already records an open Owner; its bookkeeping is the fold of that log, "
+        "so give each controller (each rank) its own log"
+    )
+    assert log.owner is a
+    a.closed = True
+    log.bind_owner(b)  # the first one is closed
+    assert log.owner is b
+    del b, info  # the refusal's traceback held b too
+    gc.collect()
+    assert log.owner is None  # held weakly: a dropped owner leaves the log free
+    c = Owner()
+    log.bind_owner(c)
+    assert log.owner is c
+
+
+def test_an_owner_without_a_closed_attribute_is_refused() -> None:
+    log = EventLog()
+    with pytest.raises(ConfigError) as info:
+        log.bind_owner(object())
+    assert str(info.value) == (
+        "bind_owner(object): an owner needs a closed attribute (a second owner is refused while the first is open)"
+    )
+    assert log.owner is None
+
+
+def test_a_controller_binds_itself_as_its_logs_owner() -> None:
+    from hicache_obs.core import HiCacheController, ModelSpec
+
+    log = EventLog()
+    c = HiCacheController(ModelSpec.tiny(), runtime="cpu", device_size=256, log=log)
+    assert log.owner is c
+    c.close()
+    assert log.owner is c and c.closed
