@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .torch_compat import plain_tensor_calls
+from .torch_compat import is_zero_tensor, plain_tensor_calls
 
 __all__ = ["subclass_problem", "tensor_problem"]
 
@@ -68,7 +68,7 @@ def _flag_problem(t: torch.Tensor, runtime: Any) -> str | None:
     # a conjugate bit cannot be set on an integer tensor; an int64 tensor cannot require grad
     if t.layout != torch.strided or t.is_nested:
         return f"must be a dense (strided) tensor, got layout {t.layout}{' (nested)' if t.is_nested else ''}"
-    if t._is_zerotensor():  # its storage claims the bytes but has none
+    if is_zero_tensor(t):  # its storage claims the bytes but has none
         return "is a zero tensor without storage (torch._efficientzerotensor); the copies read storage"
     if t.is_neg():
         return (

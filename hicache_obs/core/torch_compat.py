@@ -17,6 +17,9 @@ alone, and ``grep torch_compat`` lists every place that depends on them.
 - :data:`to_dlpack`: ``to_dlpack(t)`` is a DLPack ``"dltensor"`` capsule of ``t``
   (``torch._C._to_dlpack``: the C function under ``Tensor.__dlpack__``, without its Python
   checks, stream handling and torch function dispatch), or ``None`` where torch lacks it.
+- :data:`is_zero_tensor`: ``is_zero_tensor(t)`` says whether ``t`` is a zero tensor, one
+  whose storage claims its bytes but has none (``torch._efficientzerotensor``;
+  ``Tensor._is_zerotensor``).
 - :data:`TensorBase`: the C base class of ``torch.Tensor``; its methods (``record_stream``
   among them) are what a call on a tensor reaches when ``torch.Tensor`` does not override it.
 """
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from torch._C import DisableTorchFunction, DisableTorchFunctionSubclass, TensorBase
 
-__all__ = ["plain_tensor_calls", "no_torch_function", "true_is_cpu", "to_dlpack", "TensorBase"]
+__all__ = ["plain_tensor_calls", "no_torch_function", "true_is_cpu", "to_dlpack", "is_zero_tensor", "TensorBase"]
 
 plain_tensor_calls = DisableTorchFunctionSubclass
 no_torch_function = DisableTorchFunction
@@ -40,3 +43,5 @@ try:
     from torch._C import _to_dlpack as to_dlpack
 except ImportError:  # a torch without it: callers ask the tensor itself
     to_dlpack = None
+# the method itself, read from the class's namespace (a torch release that renames it fails here, at import)
+is_zero_tensor: Callable[[torch.Tensor], bool] = TensorBase.__dict__["_is_zerotensor"]
