@@ -15,9 +15,9 @@ settling by the next event makes the result independent of batch boundaries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hicache_obs.events.schema import (
     AllocationFailed,
@@ -175,6 +175,23 @@ class OpRecord:
         return "; ".join(parts) if parts else None
 
 
+#: How :meth:`OpTable.apply` folds each event type (types not listed touch no record),
+#: filled by :func:`_folds` on the table's methods.
+_FOLD: dict[type, Callable[..., Any]] = {}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _folds(*types: type) -> Callable[[F], F]:
+    """Register the decorated :class:`OpTable` method as the fold of ``types``."""
+
+    def register(fn: F) -> F:
+        for t in types:
+            _FOLD[t] = fn
+        return fn
+
+    return register
+
+
 class OpTable:
     """Folds events into :class:`OpRecord`s (see module docstring).
 
@@ -188,6 +205,15 @@ class OpTable:
         self._queued: dict[OpKey, int] = {}
         self._pending: dict[int, dict[OpKey, OpRecord]] = {}  # rank -> completed, not yet settled
         self.late_violations = 0
+
+    @property
+    def pending(self) -> Mapping[int, Mapping[OpKey, OpRecord]]:
+        """Per rank, the completed ops not settled yet (the table's own dict: read, never change it).
+
+        While it is empty an event that touches no op (an allocation) settles nothing either,
+        so a sink may skip such an event without calling :meth:`apply`.
+        """
+        return self._pending
 
     def get(self, key: OpKey) -> OpRecord | None:
         return self.ops.get(key)
@@ -212,9 +238,11 @@ class OpTable:
 
     # one fold per event type (a dict lookup, not a chain of isinstance checks); each
     # returns the record the event touched
+    @_folds(OperationQueued)
     def _fold_queued(self, ev: OperationQueued) -> None:
         self._queued[(ev.rank, ev.op)] = ev.ts_ns
 
+    @_folds(OperationsMerged)
     def _fold_merged(self, ev: OperationsMerged) -> OpRecord:
         rec = self._record(ev.rank, ev.op, ev.direction)
         rec.merged_ops = ev.merged_ops
@@ -225,21 +253,25 @@ class OpTable:
             rec.queued_ns = min(times)
         return rec
 
+    @_folds(IndicesMoved)
     def _fold_moved(self, ev: IndicesMoved) -> OpRecord:
         rec = self._record(ev.rank, ev.op)
         rec.moves.append(ev)
         return rec
 
+    @_folds(StreamRecorded)
     def _fold_recorded(self, ev: StreamRecorded) -> OpRecord:
         rec = self._record(ev.rank, ev.op)
         rec.records.append(ev)
         return rec
 
+    @_folds(TransferSubmitted)
     def _fold_submitted(self, ev: TransferSubmitted) -> OpRecord:
         rec = self._record(ev.rank, ev.op, ev.direction)
         rec.submit = ev
         return rec
 
+    @_folds(TransferCompleted, TransferFailed)
     def _fold_done(self, ev: TransferCompleted | TransferFailed) -> OpRecord:
         rec = self._record(ev.rank, ev.op, ev.direction)
         rec.done = ev
@@ -247,6 +279,7 @@ class OpTable:
             self._pending.setdefault(ev.rank, {})[rec.key] = rec
         return rec
 
+    @_folds(AuditViolation)
     def _fold_violation(self, ev: AuditViolation) -> OpRecord | None:
         rec = self.ops.get((ev.rank, ev.op)) if ev.op >= 0 else None
         if rec is not None:
@@ -278,18 +311,6 @@ class OpTable:
 
 #: Event types that never touch an operation record.
 _NOT_OP_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed})
-
-#: How :meth:`OpTable.apply` folds each event type (types not listed touch no record).
-_FOLD: dict[type, Any] = {
-    OperationQueued: OpTable._fold_queued,
-    OperationsMerged: OpTable._fold_merged,
-    IndicesMoved: OpTable._fold_moved,
-    StreamRecorded: OpTable._fold_recorded,
-    TransferSubmitted: OpTable._fold_submitted,
-    TransferCompleted: OpTable._fold_done,
-    TransferFailed: OpTable._fold_done,
-    AuditViolation: OpTable._fold_violation,
-}
 
 
 def fold_ops(events: Iterable[Event]) -> tuple[list[OpRecord], list[AuditViolation]]:

@@ -296,7 +296,7 @@ class OtelSpanSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            pending = self._table._pending
+            pending = self._table.pending
             apply = self._apply
             for ev in events:
                 if type(ev) in _NOT_OP_EVENTS and not pending:

@@ -131,7 +131,7 @@ class StructlogSink:
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
             table = self._table
-            pending = table._pending
+            pending = table.pending
             for ev in events:
                 if type(ev) in _NOT_OP_EVENTS and not pending:
                     continue  # allocations and frees touch no op, and settle none

@@ -51,11 +51,22 @@ from .schema import (
     TransferFailed,
     TransferSubmitted,
 )
-from .state import _HANDLERS as _STATE_HANDLERS
-from .state import ALLOC, CHECK, FAST_CALL_SLOTS, FREE, AllocMap, CacheState, PoolLimits, bad_runs, first_slots, new_map
+from .state import (
+    ALLOC,
+    CHECK,
+    FAST_CALL_SLOTS,
+    FREE,
+    HANDLERS,
+    AllocMap,
+    CacheState,
+    PoolLimits,
+    bad_runs,
+    first_slots,
+    new_map,
+)
 
 _NO_PLAN = (None, None)
-_fold_slots_freed = CacheState._slots_freed
+_fold_slots_freed = HANDLERS[SlotsFreed]  # CacheState's fold of a free: returns the slots not allocated
 
 __all__ = ["RULES", "Finding", "Auditor", "audit"]
 
@@ -320,7 +331,7 @@ class Auditor:
         # may be None); one lookup per event, no CacheState.apply in between
         self._plan: dict[type, tuple[Any, Any]] = {}
         for cls in EVENT_TYPES.values():
-            fold = _STATE_HANDLERS.get(cls)
+            fold = HANDLERS.get(cls)
             rule = None if cls in (PoolCreated, SlotsAllocated) else self._handlers.get(cls)
             self._plan[cls] = (fold, rule)
         self._plan[SlotsFreed] = (None, self._fold_freed)
@@ -332,10 +343,7 @@ class Auditor:
         Events the log already holds (a controller's ``PoolCreated``) are audited first.
         """
         self._emit = log.emit
-        with log._lock:
-            for ev in log.events():
-                self.handle(ev)
-            log.subscribe(self.handle)
+        log.subscribe(self.handle, backfill=True)
         return self
 
     def feed(self, events: Iterable[Event]) -> Auditor:

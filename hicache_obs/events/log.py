@@ -182,9 +182,17 @@ class EventLog(LogCore):
         _log.error("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq, exc_info=exc)
 
     # ------------------------------------------------------------ subscribers
-    def subscribe(self, fn: Subscriber, *, first: bool = False) -> Callable[[], None]:
-        """Call ``fn(event)`` inline for every later event; returns an unsubscribe function."""
+    def subscribe(self, fn: Subscriber, *, first: bool = False, backfill: bool = False) -> Callable[[], None]:
+        """Call ``fn(event)`` inline for every later event; returns an unsubscribe function.
+
+        ``first`` puts ``fn`` before the other subscribers. With ``backfill`` ``fn`` is first
+        called with every event the log retains, under the log's lock, so it misses none and
+        sees none twice (a live auditor attached after the controller was built).
+        """
         with self._lock:
+            if backfill:
+                for ev in list(self._events):
+                    fn(ev)
             if first:
                 self._subscribers.insert(0, fn)
             else:

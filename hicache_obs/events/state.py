@@ -23,11 +23,12 @@ costs more than O(1) amortized besides the slots it names.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import itemgetter
-from typing import Any
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from .._native import SlotMap  # compiled or its pure twin (hicache_obs._native)
 from .._native import runs_of as _runs_of
@@ -55,6 +56,7 @@ __all__ = [
     "CacheState",
     "PoolLimits",
     "fold",
+    "HANDLERS",
     "bad_runs",
     "ALLOC",
     "FREE",
@@ -400,6 +402,27 @@ class OpState:
         return (self.op, self.direction, self.node_ids, self.priority, self.slots_by_pool, self.status, self.producer_id)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the CacheState method that folds each event type (filled by :func:`_folds` below)
+_HANDLERS: dict[type, Callable[..., Any]] = {}
+#: Per event type, the :class:`CacheState` method that folds it, called as
+#: ``handler(state, event)``: what :meth:`CacheState.apply` dispatches to, for a reader that
+#: runs its own loop over events (the auditor's fold mode). Types not listed change nothing.
+HANDLERS: Mapping[type, Callable[..., Any]] = MappingProxyType(_HANDLERS)
+
+
+def _folds(*types: type) -> Callable[[F], F]:
+    """Register the decorated method as the fold of ``types`` in :data:`HANDLERS`."""
+
+    def register(fn: F) -> F:
+        for t in types:
+            _HANDLERS[t] = fn
+        return fn
+
+    return register
+
+
 @dataclass
 class CacheState:
     """Bookkeeping of one controller (one rank); see the module docstring."""
@@ -430,6 +453,7 @@ class CacheState:
             handler(self, ev)
 
     # ---------------------------------------------------------------- handlers
+    @_folds(PoolCreated)
     def _pool_created(self, ev: PoolCreated) -> None:
         if self.limits is not None:
             self.limits.admit(ev)
@@ -439,6 +463,7 @@ class CacheState:
         if self.limits is not None:  # a reader of a log: bounded time for any free (bad_runs)
             t.probe = new_map(AllocMap, ev, ev.capacity)
 
+    @_folds(SlotsAllocated)
     def _slots_allocated(self, ev: SlotsAllocated) -> None:
         t = self.tables.get((ev.pool, ev.tier))
         if t is None:
@@ -457,6 +482,7 @@ class CacheState:
         if bad:
             self.anomalies.append((ev.seq, "double_alloc", f"{ev.pool}/{ev.tier} slots {first_slots(bad)}"))
 
+    @_folds(SlotsFreed)
     def _slots_freed(self, ev: SlotsFreed) -> Runs:
         """Returns the slots that were not allocated, as runs (the auditor reports them)."""
         t = self.tables.get((ev.pool, ev.tier))
@@ -482,13 +508,16 @@ class CacheState:
         self.last_seq = ev.seq
         return self._slots_freed(ev)
 
+    @_folds(AllocationFailed)
     def _allocation_failed(self, ev: AllocationFailed) -> None:
         self.allocation_failures += 1
 
+    @_folds(OperationQueued)
     def _queued(self, ev: OperationQueued) -> None:
         self.queues[ev.direction].append(ev.op)
         self.ops[ev.op] = OpState(ev.op, ev.direction, (ev.node_id,), ev.priority, ev.slots_by_pool, queued_ns=ev.ts_ns)
 
+    @_folds(OperationsMerged)
     def _merged(self, ev: OperationsMerged) -> None:
         q = self.queues[ev.direction]
         for o in ev.merged_ops:
@@ -521,6 +550,7 @@ class CacheState:
             queued_ns=queued_ns,
         )
 
+    @_folds(TransferSubmitted)
     def _submitted(self, ev: TransferSubmitted) -> None:
         s = self.ops.get(ev.op)
         if s is None:
@@ -544,9 +574,11 @@ class CacheState:
         else:
             self.failed[ev.direction] += 1
 
+    @_folds(TransferCompleted)
     def _completed(self, ev: TransferCompleted) -> None:
         self._finished(ev, True)
 
+    @_folds(TransferFailed)
     def _failed(self, ev: TransferFailed) -> None:
         self._finished(ev, False)
 
@@ -562,19 +594,6 @@ class CacheState:
             "failed": dict(self.failed),
             "allocation_failures": self.allocation_failures,
         }
-
-
-_HANDLERS: dict[type, Any] = {
-    PoolCreated: CacheState._pool_created,
-    SlotsAllocated: CacheState._slots_allocated,
-    SlotsFreed: CacheState._slots_freed,
-    AllocationFailed: CacheState._allocation_failed,
-    OperationQueued: CacheState._queued,
-    OperationsMerged: CacheState._merged,
-    TransferSubmitted: CacheState._submitted,
-    TransferCompleted: CacheState._completed,
-    TransferFailed: CacheState._failed,
-}
 
 
 def fold(events: Iterable[Event], limits: PoolLimits | None = None) -> CacheState:

@@ -164,3 +164,58 @@ def test_a_controller_binds_itself_as_its_logs_owner() -> None:
     assert log.owner is c
     c.close()
     assert log.owner is c and c.closed
+
+
+# --------------------------------------------------- subscribers with backfill
+def test_a_backfilled_subscriber_gets_the_retained_events_then_the_later_ones() -> None:
+    log = EventLog(capacity=4)
+    _emit_n(log, 6)  # seqs 0 and 1 evicted by the bound
+    seen: list[int] = []
+    log.subscribe(lambda ev: seen.append(ev.seq), backfill=True)
+    assert seen == [2, 3, 4, 5]
+    _emit_n(log, 2)
+    assert seen == [2, 3, 4, 5, 6, 7]  # none missed, none twice
+
+
+# ------------------------------------------------------- the fold's dispatch
+def test_the_states_handlers_are_the_folds_apply_dispatches_to() -> None:
+    from hicache_obs.events import PoolCreated, SlotsFreed
+    from hicache_obs.events.state import HANDLERS, CacheState
+
+    assert {t.__name__ for t in HANDLERS} == {
+        "PoolCreated",
+        "SlotsAllocated",
+        "SlotsFreed",
+        "AllocationFailed",
+        "OperationQueued",
+        "OperationsMerged",
+        "TransferSubmitted",
+        "TransferCompleted",
+        "TransferFailed",
+    }
+    with pytest.raises(TypeError):
+        HANDLERS[SlotsFreed] = print  # type: ignore[index]  # read-only: the fold is fixed
+    state = CacheState()
+    HANDLERS[PoolCreated](
+        state,
+        PoolCreated(seq=0, ts_ns=1, pool="kv", tier="host", capacity=64, page_size=1, slot_bytes=8, layout="lf"),
+    )
+    bad = HANDLERS[SlotsFreed](state, SlotsFreed(seq=1, ts_ns=2, pool="kv", tier="host", indices=((3, 2),)))
+    assert bad == ((3, 2),)  # nothing was allocated: both slots are reported, as runs
+    assert state.anomalies == [(1, "double_free", "kv/host slots [3, 4]")]
+    assert state.last_seq == -1  # the handler folds; apply() is what also moves last_seq
+
+
+def test_an_op_tables_pending_shows_what_a_completion_left_unsettled() -> None:
+    from hicache_obs.events import AllocationFailed, TransferCompleted
+    from hicache_obs.exporters._ops import OpTable
+
+    table = OpTable(live=True)
+    assert table.pending == {}
+    done = TransferCompleted(seq=0, ts_ns=1, op=7, direction="d2h", duration_ns=5)
+    rec, settled = table.apply(done)
+    assert rec is not None and settled == []
+    assert {rank: list(ops) for rank, ops in table.pending.items()} == {0: [(0, 7)]}
+    _, settled = table.apply(AllocationFailed(seq=1, ts_ns=2, pool="kv", tier="host", requested=1, available=0))
+    assert settled == [rec]  # the next event of the rank settled it
+    assert table.pending == {}
