@@ -1,19 +1,45 @@
 """The in-memory event log: append-only, gap-free ``seq``, subscribers, sinks.
 
-Operations:
+These are the operations subscribers, sinks, feeders and the controller use; no module
+reaches past them into the log's private members (ruff's SLF001 is on for the package).
+
+Write:
 
 - ``emit(cls, **fields)``: stamp the header (seq, ts_ns, rank), append, deliver
   (compiled: ``hicache_obs/_logcore.c``)
 - ``append(event)``: append a pre-built event whose ``seq`` is the next one
-- ``subscribe(fn)``: a synchronous subscriber, called inline in log order
-  (bookkeeping folds, the live auditor); returns an unsubscribe callable
+
+Subscribers and sinks:
+
+- ``subscribe(fn, first=False, backfill=False)``: a synchronous subscriber, called
+  inline in log order (bookkeeping folds, the live auditor); with ``backfill`` it first
+  gets the retained events, atomically; returns an unsubscribe callable
 - ``add_sink(sink)``: an asynchronous :class:`~hicache_obs.events.sinks.Sink`,
   fed in batches by a worker thread that reads the log's ring of recent events
-- ``attach_feeder(feeder)``: a receiver whose ``take(start, events)`` never blocks
-  (a sink host's pipe), handed batches from the producer's own thread every ``batch``
-  events or ``interval`` seconds: no worker thread, so no GIL hand-over while the
-  controller runs
+- ``read(start, end)``: the ring's events ``[start, end)`` still intact (a sink
+  runner's batch; what the producer lapped is left out, for the reader to count)
+- ``sinks``, ``subscriber_errors``: the runners and feeders; the failures per subscriber
+
+Feeders (a sink host's pipe, fed from the producer's own thread):
+
+- ``attach_feeder(feeder)``: a receiver whose ``take(start, events)`` never blocks,
+  handed batches from the producer's own thread every ``batch`` events or ``interval``
+  seconds: no worker thread, so no GIL hand-over while the controller runs; returns the
+  first seq it gets. ``detach_feeder(feeder)`` stops it.
+- ``feeder_handle(feeder)``: its :class:`FeederHandle` (``start_seq``, ``handoff_now()``,
+  ``wait(timeout, wake_fd, out_fd)`` -> :class:`HandoffWake`, ``detach()``), what the
+  feeder's own threads use
+
+Owner:
+
+- ``bind_owner(controller)``, ``owner``: the one open controller whose bookkeeping is
+  the fold of this log (a second one is a ``ConfigError``)
+
+Read and lifecycle:
+
 - ``events()``: the events still retained; ``overflowed``: how many the bound evicted
+- ``published`` (events stored in the ring), ``next_seq``, ``ring_size``
+- ``flush()``, ``close()``; ``closed_at``, ``dropped_after_close``
 
 Events emitted while subscribers run (an auditor's violation) are delivered after
 the current event reached every subscriber, so every subscriber sees log order.
