@@ -83,36 +83,40 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
 
 
 class HostAudit:
-    """The auditor in the host: its violations are inserted after the events that revealed them."""
+    """The auditor in the host: its violations are inserted after the events that revealed them
+    (each with the revealing event's seq and time; the end-of-log ones with the last seq and
+    the time of the close)."""
 
     def __init__(self) -> None:
         from hicache_obs.events.audit import Auditor
 
-        self.auditor = Auditor(emit=self._emit)
-        self._out: list[Any] = []
-        self._cur: Any = None
-        self._finishing = False
+        self.auditor = Auditor()
+        self._seen = 0  # findings already turned into events
+        self._last: Any = None
 
-    def _emit(self, cls: Any, **fields: Any) -> None:
-        cur = self._cur  # the event that revealed it (the last one, at the end of the log)
-        ts = time.time_ns() if self._finishing else cur.ts_ns
-        self._out.append(cls(seq=cur.seq, ts_ns=ts, rank=cur.rank, **fields))
+    def _new(self, seq: int, ts_ns: int) -> list[Any]:
+        found = self.auditor.findings
+        out = [f.to_event(seq=seq, ts_ns=ts_ns) for f in found[self._seen :]]
+        self._seen = len(found)
+        return out
 
     def run(self, batch: list[Any]) -> list[Any]:
-        out = self._out = []
-        handle = self.auditor.handle
+        out: list[Any] = []
+        handle, found = self.auditor.handle, self.auditor.findings
         for ev in batch:
             out.append(ev)
-            self._cur = ev
             handle(ev)
+            if len(found) > self._seen:
+                out += self._new(ev.seq, ev.ts_ns)
+        if batch:
+            self._last = batch[-1]
         return out
 
     def finish(self) -> list[Any]:
-        self._out = []
-        if self._cur is not None:
-            self._finishing = True
-            self.auditor.finish()
-        return self._out
+        if self._last is None:
+            return []
+        self.auditor.finish()
+        return self._new(self._last.seq, time.time_ns())
 
 
 def feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[str, int]) -> None:

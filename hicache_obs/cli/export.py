@@ -104,18 +104,5 @@ def with_audit_findings(events: list[Any]) -> list[Any]:
         seq = next_seq.get(f.rank, 0)
         next_seq[f.rank] = seq + 1
         ts = done.get((f.rank, f.op), last[f.rank].ts_ns if f.rank in last else 0)
-        out.append(
-            AuditViolation(
-                seq=seq,
-                ts_ns=ts,
-                rank=f.rank,
-                op=f.op,
-                rule=f.rule,
-                pool=f.pool,
-                role=f.role,
-                detail=f.detail,
-                stream=f.stream,
-                direction=f.direction,
-            )
-        )
+        out.append(f.to_event(seq=seq, ts_ns=ts))
     return out

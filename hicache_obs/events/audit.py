@@ -101,6 +101,23 @@ class Finding:
         """Identity for comparing live and offline audits."""
         return (self.rule, self.pool, self.role, self.op, self.rank, self.stream, self.direction)
 
+    def violation_fields(self) -> dict[str, Any]:
+        """The fields of its ``AuditViolation`` besides the header (seq, ts_ns, rank)."""
+        return {
+            "op": self.op,
+            "rule": self.rule,
+            "pool": self.pool,
+            "role": self.role,
+            "detail": self.detail,
+            "stream": self.stream,
+            "direction": self.direction,
+        }
+
+    def to_event(self, *, seq: int, ts_ns: int) -> AuditViolation:
+        """Its ``AuditViolation`` with the header given (the rank is the finding's): the one
+        place a violation event is built from a finding, where no log stamps it."""
+        return AuditViolation(seq=seq, ts_ns=ts_ns, rank=self.rank, **self.violation_fields())
+
 
 @dataclass(slots=True)
 class _InFlight:
@@ -443,16 +460,7 @@ class Auditor:
         f = Finding(rule, pool, role, op, rank, detail, stream, direction, seq)
         self.findings.append(f)
         if self._emit is not None and not self._finished:
-            self._emit(
-                AuditViolation,
-                op=op,
-                rule=rule,
-                pool=pool,
-                role=role,
-                detail=detail,
-                stream=stream,
-                direction=direction,
-            )
+            self._emit(AuditViolation, **f.violation_fields())
 
     def counts(self) -> dict[str, dict[str, int]]:
         """``{rule: {pool: count}}`` of the findings so far."""
