@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from hicache_obs.events.schema import (
     AllocationFailed,
@@ -34,6 +34,7 @@ from hicache_obs.events.schema import (
     TransferFailed,
     TransferSubmitted,
 )
+from hicache_obs.events.state import dispatch_registrar
 
 __all__ = ["OpKey", "OpRecord", "OpTable", "UNRECORDED_RULE", "fold_ops"]
 
@@ -178,18 +179,7 @@ class OpRecord:
 #: How :meth:`OpTable.apply` folds each event type (types not listed touch no record),
 #: filled by :func:`_folds` on the table's methods.
 _FOLD: dict[type, Callable[..., Any]] = {}
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _folds(*types: type) -> Callable[[F], F]:
-    """Register the decorated :class:`OpTable` method as the fold of ``types``."""
-
-    def register(fn: F) -> F:
-        for t in types:
-            _FOLD[t] = fn
-        return fn
-
-    return register
+_folds = dispatch_registrar(_FOLD)
 
 
 class OpTable:

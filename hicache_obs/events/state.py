@@ -57,6 +57,7 @@ __all__ = [
     "PoolLimits",
     "fold",
     "HANDLERS",
+    "dispatch_registrar",
     "bad_runs",
     "ALLOC",
     "FREE",
@@ -412,15 +413,22 @@ _HANDLERS: dict[type, Callable[..., Any]] = {}
 HANDLERS: Mapping[type, Callable[..., Any]] = MappingProxyType(_HANDLERS)
 
 
-def _folds(*types: type) -> Callable[[F], F]:
-    """Register the decorated method as the fold of ``types`` in :data:`HANDLERS`."""
+def dispatch_registrar(table: dict[type, Callable[..., Any]]) -> Callable[..., Callable[[F], F]]:
+    """``@folds(*types)`` for a class body: files the decorated method in ``table`` as the
+    handler of each of ``types`` (a dispatch table built next to the methods it names)."""
 
-    def register(fn: F) -> F:
-        for t in types:
-            _HANDLERS[t] = fn
-        return fn
+    def folds(*types: type) -> Callable[[F], F]:
+        def register(fn: F) -> F:
+            for t in types:
+                table[t] = fn
+            return fn
 
-    return register
+        return register
+
+    return folds
+
+
+_folds = dispatch_registrar(_HANDLERS)  # the fold of each event type, in HANDLERS
 
 
 @dataclass

@@ -58,6 +58,24 @@ def crashed(proc: subprocess.CompletedProcess[str]) -> bool:
     return proc.returncode < 0 or "Sanitizer" in proc.stderr or "runtime error:" in proc.stderr
 
 
+#: ``show(fn, *args)`` in a child: prints the result's repr, or the error's type and message
+SHOW = """
+def show(fn, *args):
+    try:
+        print(repr(fn(*args)))
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
+def run_lines(src: str) -> list[str]:
+    """Run ``src`` (after :data:`SHOW`) in a child that must neither crash nor fail; its output lines."""
+    proc = run_code(SHOW + src)
+    assert not crashed(proc), f"the child crashed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.splitlines()
+
+
 def run_probes(kind: str, probes: list[Any], timeout: float = 120) -> tuple[subprocess.CompletedProcess[str], str]:
     """Run a batch of probes; returns the process and a description of what failed ('' if nothing)."""
     proc = subprocess.run(

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from native_kit import crashed, run_code
+from native_kit import run_lines
 
 from hicache_obs import _slots as c_slots
 from hicache_obs.core.torch_compat import to_dlpack
@@ -113,11 +113,6 @@ PRELUDE = """
 import ctypes, torch
 from hicache_obs import _slots
 from hicache_obs.events import _slots_py
-def show(fn, *args):
-    try:
-        print(repr(fn(*args)))
-    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
-        print(type(exc).__name__, exc)
 new = ctypes.pythonapi.PyCapsule_New
 new.restype = ctypes.py_object
 new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -134,10 +129,7 @@ def test_hostile_capsules_are_type_errors_in_both() -> None:
         for bad in (5, None, b"dltensor", used, other):
             show(mod.dlpack_facts, bad)
     """
-    proc = run_code(PRELUDE + textwrap.dedent(body))
-    assert not crashed(proc), f"the child crashed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+    lines = run_lines(PRELUDE + textwrap.dedent(body))
     names = ["int", "NoneType", "bytes", "PyCapsule", "PyCapsule"]
     want = [f'TypeError dlpack_facts: an unconsumed "dltensor" capsule is needed, got {n}' for n in names]
     assert lines == want + want

@@ -8,24 +8,16 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from native_kit import crashed, run_code
+from native_kit import run_lines
 
 PRELUDE = """
 from array import array
 from hicache_obs._slots import SlotMap, pair_runs_of, runs_of, side_runs
-def show(fn, *args):
-    try:
-        print(repr(fn(*args)))
-    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
-        print(type(exc).__name__, exc)
 """
 
 
 def _run(body: str) -> list[str]:
-    proc = run_code(PRELUDE + textwrap.dedent(body))
-    assert not crashed(proc), f"the child crashed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.splitlines()
+    return run_lines(PRELUDE + textwrap.dedent(body))
 
 
 def test_peek_of_a_negative_or_huge_count_is_an_error() -> None:
