@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...errors import HiCacheError
+from ....errors import HiCacheError
 
 __all__ = [
     "KernelCheckError",
