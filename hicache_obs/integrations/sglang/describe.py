@@ -79,16 +79,20 @@ def host_values(t: torch.Tensor) -> Any:
     return values
 
 
+def _runs(t: torch.Tensor, facts: tuple[int, int, int, int, int, int, Any] | None) -> Any:
+    """The runs of ``t``'s values from its ``facts``; the tensor's own methods answer where
+    DLPack could not export it, or its host values are not integers one stride walks."""
+    if facts is not None and (facts[6] is not None or facts[0] not in _DL_HOST):
+        return facts[6]
+    values = host_values(t)
+    return None if values is None else runs_of(values)
+
+
 def host_runs(t: torch.Tensor) -> Any:
     """The runs of an index tensor's values (``()`` for an empty one), or None for device
     values a read would sync for (a GPU)."""
     with NO_TORCH_FUNCTION():
-        facts = _facts(t)
-        if facts is not None:
-            if facts[6] is not None or facts[0] not in _DL_HOST:
-                return facts[6]
-        values = host_values(t)  # host values DLPack does not walk: floats, strided views
-    return None if values is None else runs_of(values)
+        return _runs(t, _facts(t))
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
@@ -102,15 +106,10 @@ def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) ->
             numel = t.numel()
             ptr = t.data_ptr() if numel else 0
             dtype = _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
-            runs = host_runs(t) if dev == "cpu" and numel else None
         else:
-            device_type, _, numel, code, bits, ptr, runs = facts
-            dtype = _DL_DTYPES.get((code, bits)) or str(t.dtype).removeprefix("torch.")
-            if dev != "cpu" or not numel:
-                runs = None
-            elif runs is None and device_type in _DL_HOST:
-                values = host_values(t)
-                runs = None if values is None else runs_of(values)
+            numel, ptr = facts[2], facts[5]
+            dtype = _DL_DTYPES.get((facts[3], facts[4])) or str(t.dtype).removeprefix("torch.")
+        runs = _runs(t, facts) if dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]
