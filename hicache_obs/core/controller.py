@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .._native import runs_of
-from .._native import side_runs as _side_runs  # one side (0 host, 1 device) of pair runs, joined
 from ..errors import (
     ConfigError,
     ControllerClosedError,
@@ -51,6 +50,7 @@ from ..events.schema import (
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy
+from .describe import describe, submission_refs
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
@@ -58,7 +58,6 @@ from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
 from .tensors import subclass_problem, tensor_problem
-from .torch_compat import plain_tensor_calls
 from .transfer import (
     IO_BACKENDS,
     CopyFault,
@@ -77,8 +76,6 @@ __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT
 EVENT_DETAILS = ("full", "bookkeeping")
 _log = logging.getLogger("hicache_obs.controller")
 
-
-_DTYPE_NAMES = {torch.int64: "int64", torch.int32: "int32"}
 
 @dataclass(slots=True)
 class IndexPair:
@@ -275,50 +272,6 @@ class HiCacheController:
         a = self._pool(pool, tier).allocator
         assert a is not None
         return a
-
-    def _ref(
-        self, t: torch.Tensor, pool: str, role: str, runs: Any = None
-    ) -> TensorRef:
-        """Describe ``t``; ``runs`` are its values when known (``()``: none to report), else
-        they are read when ``t`` is on the CPU (in place, through a numpy view)."""
-        dev = self.runtime.tensor_device(t)
-        if runs is None and dev == "cpu":
-            runs = runs_of(t.numpy())  # int64 (validated): never requires grad
-        if type(t) is torch.Tensor:  # no __torch_function__ to skip
-            numel = t.numel()
-            dtype = t.dtype
-            ptr = t.data_ptr() if numel else 0
-        else:  # metadata only: skip a subclass's __torch_function__ (the sim runtime's costs ~6 us a call)
-            with plain_tensor_calls():
-                numel = t.numel()
-                dtype = t.dtype
-                ptr = t.data_ptr() if numel else 0
-        return TensorRef(
-            pool=pool,
-            role=role,  # type: ignore[arg-type]  # "host" | "device", checked by callers
-            device=dev,
-            numel=numel,
-            dtype=_DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch."),
-            ptr=ptr,
-            indices=runs or None,
-        )
-
-    def _submit_refs(self, op: CacheOperation, pairs: list[IndexPair]) -> list[TensorRef]:
-        """The tensors of a submission; run lists taken from the pairs' runs when known."""
-        aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
-        refs = []
-        for p in pairs:
-            pool, h, d, pr = p.pool, p.host, p.device, p.runs
-            if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
-                refs.append(self._ref(h, pool, "host", ()))
-                refs.append(self._ref(d, pool, "device", ()))
-            elif pr is not None:
-                refs.append(self._ref(h, pool, "host", runs=_side_runs(pr, 0)))
-                refs.append(self._ref(d, pool, "device", runs=_side_runs(pr, 1)))
-            else:
-                refs.append(self._ref(h, pool, "host"))
-                refs.append(self._ref(d, pool, "device"))
-        return refs
 
     def _validate(
         self,
@@ -685,7 +638,7 @@ class HiCacheController:
             return  # another controller's record, on a shared runtime
         op, pool, role, t = exp.op, exp.pool, exp.role, exp.tensor
         # the submission just described this tensor (the same pool and role)
-        ref = self._submitted_refs.get((id(t), pool, role)) or self._ref(t, pool, role)
+        ref = self._submitted_refs.get((id(t), pool, role)) or describe(self.runtime, t, pool, role)
         self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref)
 
     def _observed_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -701,7 +654,7 @@ class HiCacheController:
             role=role,
             src_device=self.runtime.tensor_device(src),
             dst_device=self.runtime.tensor_device(dst),
-            tensor=self._ref(dst, pool, role, known),
+            tensor=describe(self.runtime, dst, pool, role, known),
         )
 
     # ----------------------------------------------------------- submission
@@ -735,7 +688,7 @@ class HiCacheController:
             pairs = self._pairs(op)
             slots = self._slots_by_pool(op)
             bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
-            refs = self._submit_refs(op, pairs) if self._detail else []
+            refs = submission_refs(rt, op, pairs) if self._detail else []
             start = rt.event(self.enable_timing)
             start.record()  # after the index moves: the side stream is ordered after them
             finish = rt.event(self.enable_timing)
