@@ -22,13 +22,11 @@ from typing import Any
 
 import torch
 
-from .._native import runs_of
 from ..errors import (
     ConfigError,
     ControllerClosedError,
     HiCacheError,
     InvalidIndicesError,
-    LengthMismatchError,
     UnknownBackendError,
     UnknownLayoutError,
     UnknownPoolError,
@@ -51,13 +49,13 @@ from ..events.schema import (
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy
 from .describe import describe, submission_refs
+from .index_moves import Expected, IndexNormaliser, move_op_indices
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
-from .tensors import subclass_problem, tensor_problem
 from .transfer import (
     IO_BACKENDS,
     CopyFault,
@@ -68,7 +66,7 @@ from .transfer import (
     launch_load_layer,
     runs_for_copy,
 )
-from .validation import check_index_tensor, check_request, check_transfers
+from .validation import check_index_pair, check_index_tensor, check_request, check_transfers
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
 
@@ -86,18 +84,6 @@ class IndexPair:
     host: torch.Tensor
     device: torch.Tensor
     runs: Any = None
-
-
-@dataclass(slots=True)
-class _Expected:
-    """The runtime call the controller is making for one of its index tensors: the record
-    or move the runtime then reports is this op's (``known``: the values' runs, read before)."""
-
-    op: int
-    pool: str
-    role: str
-    tensor: torch.Tensor
-    known: Any = None
 
 
 class HiCacheController:
@@ -167,9 +153,10 @@ class HiCacheController:
         self._detail = event_detail == "full"
         #: (id(tensor), pool, role) -> the TensorRef the submission in progress described
         self._submitted_refs: dict[tuple[int, str, str], TensorRef] = {}
-        # what the next runtime report is about: (op, pool, role, tensor[, known runs])
-        self._expect_record: _Expected | None = None
-        self._expect_move: _Expected | None = None
+        # the stream record the runtime reports next
+        self._expect_record: Expected | None = None
+        #: the index normalisation; its ``expected`` is the move the runtime reports next
+        self._moves = IndexNormaliser(self.runtime, io_backend, layout, read_runs=self._detail)
         observers = getattr(self.runtime, "observers", None)
         if observers is None:
             raise ConfigError(
@@ -177,7 +164,7 @@ class HiCacheController:
                 "(CallObservers): stream records and index moves are reported by the runtime"
             )
         self._unobserve = (
-            observers.add(record=self._observed_record, move=self._observed_move) if self._detail else (lambda: None)
+            observers.add(record=self._report_recorded, move=self._report_moved) if self._detail else (lambda: None)
         )
         self._native_copies = getattr(self.runtime, "native_copies", None) is not None
         self._lock = threading.RLock()
@@ -548,59 +535,8 @@ class HiCacheController:
         with self._lock:
             self._check_open()
             self._pool(pool, "device")
-            for arg, t in (("host_indices", host_indices), ("device_indices", device_indices)):
-                if not isinstance(t, torch.Tensor):
-                    raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
-                problem = subclass_problem(t, self.runtime)
-                if problem is None and (t.dtype != torch.int64 or t.dim() != 1):
-                    problem = f"must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
-                if problem is None:
-                    problem = tensor_problem(t, self.runtime)
-                if problem is not None:
-                    raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
-            rt = self.runtime
-            if rt.has_device and not rt.is_device(device_indices):
-                raise InvalidIndicesError(
-                    f"device_indices for pool {pool!r} must be on device {rt.device}, "
-                    f"got one on {rt.tensor_device(device_indices)}"
-                )
-            return self._move_checked(host_indices, device_indices, op, pool)
-
-    def _move_checked(
-        self, host_indices: torch.Tensor, device_indices: torch.Tensor, op: int, pool: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rt = self.runtime
-        if host_indices.numel() != device_indices.numel():
-            raise LengthMismatchError(
-                f"pool {pool!r}: host indices have {host_indices.numel()} entries, "
-                f"device indices {device_indices.numel()}"
-            )
-        if self.io_backend == "kernel":
-            if rt.has_device and not rt.is_device(host_indices):
-                known = runs_of(host_indices.numpy()) if self._detail else None
-                host_indices = self._move(host_indices, op, pool, "host", known, to_device=True)
-            return host_indices, device_indices
-        if self.io_backend == "direct":
-            if rt.is_device(device_indices):
-                device_indices = self._move(device_indices, op, pool, "device", None, to_device=False)
-            if self.layout == "layer_first":
-                order = torch.argsort(host_indices, stable=True)
-                host_indices = host_indices[order]
-                device_indices = device_indices[order]
-            elif self.layout not in ("page_first", "page_first_direct"):
-                raise UnknownLayoutError(f"io backend 'direct' does not support host layout {self.layout!r}")
-            return host_indices, device_indices
-        raise UnknownBackendError(f"unknown io backend {self.io_backend!r}")
-
-    def _move(self, t: torch.Tensor, op: int, pool: str, role: str, known: Any, *, to_device: bool) -> torch.Tensor:
-        """Copy an index tensor to the device (non-blocking) or to the host; the runtime
-        reports the copy (``IndicesMoved``). ``known``: the values' runs, read before."""
-        rt = self.runtime
-        self._expect_move = _Expected(op, pool, role, t, known)
-        try:
-            return rt.to_device(t, non_blocking=True) if to_device else rt.to_host(t)
-        finally:
-            self._expect_move = None
+            check_index_pair(host_indices, device_indices, pool=pool, runtime=self.runtime)
+            return self._moves.normalise(host_indices, device_indices, op, pool)
 
     def _move_op(self, op: CacheOperation) -> CacheOperation:
         host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
@@ -625,13 +561,13 @@ class HiCacheController:
         rt = self.runtime
         for role, t in (("host", host), ("device", device)):
             if rt.is_device(t):
-                self._expect_record = _Expected(op, pool, role, t)
+                self._expect_record = Expected(op, pool, role, t)
                 try:
                     rt.record_stream(t, stream)  # the runtime reports the record it made
                 finally:
                     self._expect_record = None
 
-    def _observed_record(self, tensor: torch.Tensor, stream: Any) -> None:
+    def _report_recorded(self, tensor: torch.Tensor, stream: Any) -> None:
         """The runtime recorded ``tensor`` on ``stream``: a ``StreamRecorded`` if it is ours."""
         exp = self._expect_record
         if exp is None or exp.tensor is not tensor:
@@ -641,9 +577,10 @@ class HiCacheController:
         ref = self._submitted_refs.get((id(t), pool, role)) or describe(self.runtime, t, pool, role)
         self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref)
 
-    def _observed_move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The runtime copied index tensor ``src`` to ``dst``: an ``IndicesMoved`` if it is ours."""
-        exp = self._expect_move
+    def _report_moved(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The runtime copied index tensor ``src`` to ``dst``: an ``IndicesMoved`` if it is ours
+        (the one place index moves are emitted)."""
+        exp = self._moves.expected
         if exp is None or exp.tensor is not src:
             return
         op, pool, role, known = exp.op, exp.pool, exp.role, exp.known
@@ -1049,47 +986,7 @@ class HybridCacheController(HiCacheController):
     def move_hybrid_indices(self, op: CacheOperation) -> CacheOperation:
         """Move the anchor's and every pool transfer's indices; returns a new op with new transfers."""
         with self._lock:
-            return self._move_hybrid(op)
-
-    def _move_hybrid(self, op: CacheOperation) -> CacheOperation:
-        # check every transfer before moving anything: a half-moved op would leave
-        # IndicesMoved events and moved copies behind for an op that never runs
-        transfers = op.pool_transfers or ()
-        owners = {ANCHOR} | {t.pool for t in transfers if t.indices_from_pool is None}
-        for t in transfers:
-            if t.indices_from_pool is not None and t.host_indices is None and t.device_indices is None:
-                if t.indices_from_pool not in owners:
-                    raise UnresolvedTransferError(
-                        f"pool transfer {t.pool!r} of op {op.id} reuses pool {t.indices_from_pool!r}, which the op lacks"
-                    )
-                continue
-            if t.host_indices is None or t.device_indices is None:
-                raise UnresolvedTransferError(
-                    f"pool transfer {t.pool!r} of op {op.id}: "
-                    f"{'host' if t.host_indices is None else 'device'}_indices is None at move time"
-                )
-            if t.host_indices.numel() != t.device_indices.numel():
-                raise LengthMismatchError(
-                    f"pool {t.pool!r}: host indices have {t.host_indices.numel()} entries, "
-                    f"device indices {t.device_indices.numel()}"
-                )
-        host, device = self.move_indices(op.host_indices, op.device_indices, op=op.id)
-        if op.pool_transfers is None:
-            return op.replace(host_indices=host, device_indices=device)
-        moved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {ANCHOR: (host, device)}
-        out: list[PoolTransfer] = []
-        deferred: list[PoolTransfer] = []
-        for t in transfers:
-            if t.indices_from_pool is not None and t.host_indices is None and t.device_indices is None:
-                deferred.append(t)
-                continue
-            assert t.host_indices is not None and t.device_indices is not None  # checked above
-            h, d = self.move_indices(t.host_indices, t.device_indices, op=op.id, pool=t.pool)
-            moved[t.pool] = (h, d)
-            out.append(t.with_indices(h, d))
-        for t in deferred:
-            out.append(t.with_indices(*moved[t.indices_from_pool]))  # type: ignore[index]
-        return op.replace(host_indices=host, device_indices=device, pool_transfers=tuple(out))
+            return move_op_indices(op, self.move_indices)
 
     def _move_op(self, op: CacheOperation) -> CacheOperation:
         return self.move_hybrid_indices(op)

@@ -3,7 +3,8 @@
 Each raises the project's error for bad input (naming the argument, the pool and the
 value) and changes nothing: :func:`check_index_tensor` for one index tensor of one pool
 and tier, :func:`check_transfers` for a request's sidecar pool transfers,
-:func:`check_request` for its priority and node id. The controller calls them under its
+:func:`check_request` for its priority and node id, :func:`check_index_pair` for the pair
+handed to ``move_indices``. The controller calls them under its
 lock; they read the pools only through the callables they are given.
 """
 
@@ -28,7 +29,7 @@ from .runtime import Runtime
 from .spec import ANCHOR, ModelSpec
 from .tensors import subclass_problem, tensor_problem
 
-__all__ = ["check_index_tensor", "check_request", "check_transfers"]
+__all__ = ["check_index_pair", "check_index_tensor", "check_request", "check_transfers"]
 
 
 def check_index_tensor(
@@ -159,3 +160,25 @@ def check_request(priority: object, node_id: object) -> None:
         raise InvalidIndicesError(f"node_id must be an int, got {type(node_id).__name__} {node_id!r}")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise InvalidIndicesError(f"priority must be an int or None, got {type(priority).__name__} {priority!r}")
+
+
+def check_index_pair(
+    host_indices: torch.Tensor, device_indices: torch.Tensor, *, pool: str, runtime: Runtime
+) -> None:
+    """An index pair handed to ``move_indices``: two 1-D int64 tensors the runtime can read,
+    the device side on the runtime's device (lengths are the normaliser's check)."""
+    for arg, t in (("host_indices", host_indices), ("device_indices", device_indices)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} must be a torch.Tensor, got {type(t).__name__}")
+        problem = subclass_problem(t, runtime)
+        if problem is None and (t.dtype != torch.int64 or t.dim() != 1):
+            problem = f"must be a 1-D int64 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+        if problem is None:
+            problem = tensor_problem(t, runtime)
+        if problem is not None:
+            raise InvalidIndicesError(f"{arg} for pool {pool!r} {problem}")
+    if runtime.has_device and not runtime.is_device(device_indices):
+        raise InvalidIndicesError(
+            f"device_indices for pool {pool!r} must be on device {runtime.device}, "
+            f"got one on {runtime.tensor_device(device_indices)}"
+        )
