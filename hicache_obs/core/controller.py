@@ -44,10 +44,10 @@ from ..events.schema import (
     TensorRef,
     TransferFailed,
     TransferSubmitted,
-    runs_from_list,
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy
+from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
 from .describe import describe, submission_refs
 from .index_moves import Expected, IndexNormaliser, move_op_indices
 from .layers import LayerDoneCounter
@@ -171,8 +171,8 @@ class HiCacheController:
         self._closed = False
         self._next_id = 0
         self._ops: dict[int, CacheOperation] = {}
-        #: op id -> the slots allocated for it, until it is reaped (close frees a failed op's)
-        self._given: dict[int, Given] = {}
+        #: the slots allocated for each op, until it is reaped (close frees a failed op's)
+        self._allocations = PoolAllocations(self._alloc)
         self._acks: dict[str, deque[InFlightCopy]] = {D2H: deque(), H2D: deque()}
 
         sizes = self._device_sizes(device_size, pool_sizes or {})
@@ -283,19 +283,6 @@ class HiCacheController:
             must_be_allocated=must_be_allocated,
         )
 
-    def _alloc_many(self, requests: list[tuple[str, str, int]], op: int) -> list[torch.Tensor] | None:
-        """Allocate several pools at once; on any failure roll back what was taken."""
-        got: list[tuple[SlotAllocator, torch.Tensor]] = []
-        for pool, tier, n in requests:
-            a = self._alloc(pool, tier)
-            t = a.alloc(n, op=op)
-            if t is None:
-                for a2, t2 in reversed(got):
-                    a2.free(t2.tolist(), reason="rollback", op=op)
-                return None
-            got.append((a, t))
-        return [t for _, t in got]
-
     # ------------------------------------------------------------- public API
     def alloc_device(self, n: int, pool: str = ANCHOR) -> torch.Tensor | None:
         """Allocate ``n`` device slots of ``pool`` for the engine's own use (prefill)."""
@@ -375,17 +362,10 @@ class HiCacheController:
                 )
             reqs.append((t.pool, need, mine.numel()))
         op_id = self._new_id()
-        allocated = self._alloc_many(reqs, op_id)
+        allocated = self._allocations.take(reqs, op_id)
         if allocated is None:
             return None
-        self._given[op_id] = tuple((pool, tier, t) for (pool, tier, _), t in zip(reqs, allocated))
         return op_id, allocated, transfers
-
-    def _rollback(self, op_id: int) -> None:
-        """Give back what :meth:`_admit` allocated for an op that was never queued."""
-        for pool, tier, t in self._given.pop(op_id, ()):
-            if t.numel():
-                self._alloc(pool, tier).free(t.tolist(), reason="rollback", op=op_id)
 
     def _write(
         self,
@@ -401,8 +381,8 @@ class HiCacheController:
             op_id, allocated, transfers = admitted
             host = allocated[0]
             try:
-                resolved = self._materialise_aliases(
-                    host, device_indices, self._resolve_allocated(transfers, allocated[1:], "host")
+                resolved = resolve_aliases(
+                    host, device_indices, resolve_allocated(transfers, allocated[1:], "host")
                 )
                 op = CacheOperation(
                     host_indices=host,
@@ -413,7 +393,7 @@ class HiCacheController:
                     pool_transfers=resolved,
                 )
             except BaseException:
-                self._rollback(op_id)
+                self._allocations.roll_back(op_id)
                 raise
             self._queue(op, D2H)
             self.start_writing()
@@ -434,10 +414,10 @@ class HiCacheController:
             to_dev = self.runtime.to_device
             try:  # a runtime that fails to move the new slots' indices: nothing stays allocated
                 device = to_dev(allocated[0])
-                resolved = self._materialise_aliases(
+                resolved = resolve_aliases(
                     host_indices,
                     device,
-                    self._resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device"),
+                    resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device"),
                 )
                 op = CacheOperation(
                     host_indices=host_indices,
@@ -448,43 +428,10 @@ class HiCacheController:
                     pool_transfers=resolved,
                 )
             except BaseException:
-                self._rollback(op_id)
+                self._allocations.roll_back(op_id)
                 raise
             self._queue(op, H2D)
             return device, resolved
-
-    @staticmethod
-    def _resolve_allocated(
-        transfers: tuple[PoolTransfer, ...] | None, allocated: list[torch.Tensor], side: str
-    ) -> tuple[PoolTransfer, ...] | None:
-        if transfers is None:
-            return None
-        it = iter(allocated)
-        out = []
-        for t in transfers:
-            if t.indices_from_pool is not None:
-                out.append(t)
-            elif side == "host":
-                out.append(t.with_indices(next(it), t.device_indices))
-            else:
-                out.append(t.with_indices(t.host_indices, next(it)))
-        return tuple(out)
-
-    @staticmethod
-    def _materialise_aliases(
-        host: torch.Tensor, device: torch.Tensor, transfers: tuple[PoolTransfer, ...] | None
-    ) -> tuple[PoolTransfer, ...] | None:
-        """Give each transfer that reuses another pool's indices those indices now, per op:
-        merged ops then concatenate exactly what each op asked for (an alias resolved only
-        after merging would also move the pool for ops that never asked for it)."""
-        if not transfers or all(t.indices_from_pool is None for t in transfers):
-            return transfers
-        sides = {ANCHOR: (host, device)}
-        sides.update({t.pool: (t.host_indices, t.device_indices) for t in transfers if t.indices_from_pool is None})  # type: ignore[misc]
-        return tuple(
-            t if t.indices_from_pool is None else t.with_indices(*sides[t.indices_from_pool])  # type: ignore[arg-type]
-            for t in transfers
-        )
 
     def _slots_by_pool(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
         slots = {ANCHOR: op.host_indices.numel()}
@@ -515,7 +462,7 @@ class HiCacheController:
         ops = [self._ops.pop(i) for i in ids]
         merged = merge_ops(ops, new_id=self._new_id() if len(ops) > 1 else None)
         if len(ops) > 1:
-            self._given[merged.id] = tuple(g for i in ids for g in self._given.pop(i, ()))
+            self._allocations.merge(merged.id, ids)
         self._emit(
             OperationsMerged, op=merged.id, merged_ops=tuple(ids), direction=direction, node_ids=tuple(merged.node_ids)
         )
@@ -618,9 +565,9 @@ class HiCacheController:
         """Submit a moved op. Whatever fails from here on is this op's failure: an ack with
         its error, reaped in FIFO order as a ``TransferFailed``, never an exception."""
         rt = self.runtime
-        # kept in _given until the ack holds it: an exception that escapes the submission
+        # kept in _allocations until the ack holds it: an exception that escapes the submission
         # (a KeyboardInterrupt) leaves the op to close(), which then still has its slots
-        given = self._given.get(op.id, ())
+        given = self._allocations.given(op.id)
         try:
             pairs = self._pairs(op)
             slots = self._slots_by_pool(op)
@@ -633,7 +580,7 @@ class HiCacheController:
             _log.warning("transfer of op %d (%s) failed before submission: %s: %s", op.id, direction, type(exc).__name__, exc)
             return self._fail_unsubmitted(
                 op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc,
-                self._given.pop(op.id, ()),
+                self._allocations.pop(op.id),
             )
         self._emit(
             TransferSubmitted,
@@ -684,7 +631,7 @@ class HiCacheController:
         if direction == H2D and producer_id >= 0:
             self.layer_done_counter.set_finish_event(producer_id, ack.finish)
         self._acks[direction].append(ack)
-        self._given.pop(op.id, None)
+        self._allocations.pop(op.id)
         return ack
 
     def _finish_after_refusal(self, stream: Any, op: CacheOperation) -> DeviceEvent:
@@ -797,7 +744,7 @@ class HiCacheController:
             _log.warning("transfer of op %d (%s) failed at its index move: %s: %s", op.id, direction, type(exc).__name__, exc)
             self._fail_unsubmitted(
                 op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc,
-                self._given.pop(op.id, ()),
+                self._allocations.pop(op.id),
             )
             return
         del op
@@ -852,7 +799,7 @@ class HiCacheController:
                     self._emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
                     out.append(a.ack())
                     if closing and not stuck:
-                        self._free_given(a.op_id, a.given)
+                        self._allocations.free_failed(a.op_id, a.given)
                     continue
                 dur, layers = a.durations()
                 self._emit(
@@ -864,18 +811,6 @@ class HiCacheController:
                 )
                 out.append(a.ack(dur, layers))
             return out
-
-    def _free_given(self, op_id: int, given: Given) -> None:
-        """Free the slots allocated for a failed op (``reason="failed"``), those still allocated."""
-        for pool, tier, t in given:
-            values = t.tolist()
-            if not values:
-                continue
-            a = self._alloc(pool, tier)
-            gone = set(a.table.unallocated(runs_from_list(values)))
-            keep = [v for v in values if v not in gone] if gone else values
-            if keep:
-                a.free(keep, reason="failed", op=op_id)
 
     def in_flight(self, direction: str) -> int:
         return self.state.in_flight(direction)
@@ -924,8 +859,8 @@ class HiCacheController:
                 for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "submitted"]:
                     error = "ControllerClosedError: the op was submitted and its ack never queued; ended at close"
                     self._emit(TransferFailed, op=op_id, direction=direction, error=error)
-                    self._free_given(op_id, self._given.pop(op_id, ()))
-            self._given.clear()
+                    self._allocations.free_failed(op_id, self._allocations.pop(op_id))
+            self._allocations.clear()
             self._ops.clear()
             self._closed = True
             self._unsubscribe_state()
@@ -939,7 +874,7 @@ class HiCacheController:
         s = self.state.ops[op_id]
         self._fail_unsubmitted(
             op_id, s.direction, s.node_ids, s.slots_by_pool, stream, -1, ControllerClosedError(why),
-            self._given.pop(op_id, ()),
+            self._allocations.pop(op_id),
         )
 
     def __enter__(self) -> HiCacheController:
