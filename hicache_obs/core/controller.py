@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ from ..errors import (
     UnknownBackendError,
     UnknownLayoutError,
     UnknownPoolError,
-    UnresolvedTransferError,
 )
 from ..events.log import EventLog
 from ..events.schema import (
@@ -56,16 +55,8 @@ from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
-from .transfer import (
-    IO_BACKENDS,
-    CopyFault,
-    check_kernel_indices,
-    host_pair_runs,
-    launch_backup,
-    launch_load_all,
-    launch_load_layer,
-    runs_for_copy,
-)
+from .submission import IndexPair, Launcher, bytes_by_pool, index_pairs, slots_by_pool
+from .transfer import IO_BACKENDS, CopyFault
 from .validation import check_index_pair, check_index_tensor, check_request, check_transfers
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
@@ -73,17 +64,6 @@ __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT
 #: ``event_detail`` values: every event, or only those the bookkeeping fold needs.
 EVENT_DETAILS = ("full", "bookkeeping")
 _log = logging.getLogger("hicache_obs.controller")
-
-
-@dataclass(slots=True)
-class IndexPair:
-    """One pool's index tensors of a submission, and their ``pair_runs`` when both tensors'
-    values are on the CPU (read once: the events and the copies share them), else None."""
-
-    pool: str
-    host: torch.Tensor
-    device: torch.Tensor
-    runs: Any = None
 
 
 class HiCacheController:
@@ -166,7 +146,6 @@ class HiCacheController:
         self._unobserve = (
             observers.add(record=self._report_recorded, move=self._report_moved) if self._detail else (lambda: None)
         )
-        self._native_copies = getattr(self.runtime, "native_copies", None) is not None
         self._lock = threading.RLock()
         self._closed = False
         self._next_id = 0
@@ -202,6 +181,7 @@ class HiCacheController:
         self.write_stream = self.runtime.stream("hicache-write")
         self.load_stream = self.runtime.stream("hicache-load")
         self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)
+        self._launcher = Launcher(self.runtime, io_backend, self.host_pools, self.device_pools, spec.num_layers)
 
     def _device_sizes(self, device_size: int, pool_sizes: dict[str, int]) -> dict[str, int]:
         spec = self.spec
@@ -433,17 +413,6 @@ class HiCacheController:
             self._queue(op, H2D)
             return device, resolved
 
-    def _slots_by_pool(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
-        slots = {ANCHOR: op.host_indices.numel()}
-        for t in op.pool_transfers or ():
-            idx = t.host_indices if t.host_indices is not None else t.device_indices
-            if idx is not None:
-                n = idx.numel()
-            else:  # an alias not resolved yet: it moves as many slots as its source
-                n = op.host_indices.numel() if t.indices_from_pool == ANCHOR else 0
-            slots[t.pool] = slots.get(t.pool, 0) + n
-        return tuple(slots.items())
-
     def _queue(self, op: CacheOperation, direction: str) -> None:
         self._ops[op.id] = op
         self._emit(
@@ -452,7 +421,7 @@ class HiCacheController:
             direction=direction,
             node_id=op.node_ids[0] if op.node_ids else -1,
             priority=int(op.priority if op.priority is not None else op.id),
-            slots_by_pool=self._slots_by_pool(op),
+            slots_by_pool=slots_by_pool(op),
         )
 
     def _take_queue(self, direction: str) -> CacheOperation | None:
@@ -542,25 +511,6 @@ class HiCacheController:
         )
 
     # ----------------------------------------------------------- submission
-    def _pairs(self, op: CacheOperation) -> list[IndexPair]:
-        """The op's index pairs, the anchor's first, each with its runs where they are readable."""
-        rt = self.runtime
-        pairs = [IndexPair(ANCHOR, op.host_indices, op.device_indices)]
-        for t in op.pool_transfers or ():
-            if t.host_indices is None or t.device_indices is None:
-                raise UnresolvedTransferError(
-                    f"pool transfer {t.pool!r} of op {op.id} reached submission with "
-                    f"{'host' if t.host_indices is None else 'device'}_indices None"
-                )
-            pairs.append(IndexPair(t.pool, t.host_indices, t.device_indices))
-        for p in pairs:
-            p.runs = host_pair_runs(rt, p.host, p.device)
-        return pairs
-
-    def _runs_for(self, host: torch.Tensor, runs: Any) -> Any:
-        """The runs a copy takes, or ``None`` for the index kernels (see ``runs_for_copy``)."""
-        return runs_for_copy(self.io_backend, self._native_copies, host, runs)
-
     def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> InFlightCopy:
         """Submit a moved op. Whatever fails from here on is this op's failure: an ack with
         its error, reaped in FIFO order as a ``TransferFailed``, never an exception."""
@@ -569,9 +519,9 @@ class HiCacheController:
         # (a KeyboardInterrupt) leaves the op to close(), which then still has its slots
         given = self._allocations.given(op.id)
         try:
-            pairs = self._pairs(op)
-            slots = self._slots_by_pool(op)
-            bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
+            pairs = index_pairs(op, rt)
+            slots = slots_by_pool(op)
+            sizes = bytes_by_pool(self.spec, slots)
             refs = submission_refs(rt, op, pairs) if self._detail else []
             start = rt.event(self.enable_timing)
             start.record()  # after the index moves: the side stream is ordered after them
@@ -591,14 +541,14 @@ class HiCacheController:
             layout=self.layout,
             tensors=tuple(refs),
             slots_by_pool=slots,
-            bytes_by_pool=bytes_by_pool,
+            bytes_by_pool=sizes,
             producer_id=producer_id,
             device=rt.device,
         )
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
         fault = CopyFault()
         ack = InFlightCopy(
-            op.id, direction, tuple(op.node_ids), begin, finish, None, slots, bytes_by_pool, producer_id,
+            op.id, direction, tuple(op.node_ids), begin, finish, None, slots, sizes, producer_id,
             fault=fault, given=given,
         )
         if refs:  # the stream records below describe the same tensors: _record_pair reuses these
@@ -653,7 +603,7 @@ class HiCacheController:
 
     def _slots_or_none(self, op: CacheOperation) -> tuple[tuple[str, int], ...]:
         try:
-            return self._slots_by_pool(op)
+            return slots_by_pool(op)
         except Exception:
             return ()
 
@@ -672,7 +622,7 @@ class HiCacheController:
         received any) and an ack carrying ``exc``, reaped in FIFO order as its
         ``TransferFailed``."""
         rt = self.runtime
-        bytes_by_pool = tuple((p, n * self.spec.slot_bytes(p)) for p, n in slots)
+        sizes = bytes_by_pool(self.spec, slots)
         self._emit(
             TransferSubmitted,
             op=op_id,
@@ -682,14 +632,14 @@ class HiCacheController:
             layout=self.layout,
             tensors=(),
             slots_by_pool=slots,
-            bytes_by_pool=bytes_by_pool,
+            bytes_by_pool=sizes,
             producer_id=producer_id,
             device=rt.device,
         )
         finish = rt.event(self.enable_timing)
         finish.record()  # on the main stream: nothing of this op was queued anywhere
         ack = InFlightCopy(
-            op_id, direction, node_ids, finish, finish, None, slots, bytes_by_pool, producer_id,
+            op_id, direction, node_ids, finish, finish, None, slots, sizes, producer_id,
             error=f"{type(exc).__name__}: {exc}", given=given,
         )
         if direction == H2D and producer_id >= 0:
@@ -698,42 +648,19 @@ class HiCacheController:
         return ack
 
     def _launch_write(self, pairs: list[IndexPair], fault: CopyFault) -> None:
-        rt = self.runtime
-        pairs = [p for p in pairs if p.host.numel()]
-        if self.io_backend == "kernel":
-            # check every pool before launching any copy: a copy queued before a later
-            # pool's check failed would run with index tensors nobody recorded
-            for p in pairs:
-                check_kernel_indices(rt, p.pool, p.host, p.device)
-        for p in pairs:
-            launch_backup(
-                rt, self.host_pools[p.pool], self.device_pools[p.pool], p.host, p.device,
-                self._runs_for(p.host, p.runs), fault,
-            )  # fmt: skip
+        self._launcher.write(pairs, fault)
 
     def _launch_load(self, pairs: list[IndexPair], producer_id: int, fault: CopyFault) -> list[DeviceEvent]:
-        rt = self.runtime
-        plan = []
-        for p in pairs:
-            if self.io_backend == "kernel":
-                check_kernel_indices(rt, p.pool, p.host, p.device)
-            plan.append((self.host_pools[p.pool], self.device_pools[p.pool], p.host, p.device, self._runs_for(p.host, p.runs)))
-        events = []
-        if not rt.has_device:
-            # nothing can overlap a synchronous copy: move every layer in one pass, then
-            # mark the layers done (each layer's event still follows its data)
-            for hp, dp, h, d, runs in plan:
-                if h.numel():
-                    launch_load_all(rt, hp, dp, h, d, runs, fault)
-        for layer in range(self.spec.num_layers):
-            for hp, dp, h, d, runs in plan:
-                local = dp.layer_index.get(layer)
-                if local is not None and h.numel() and rt.has_device:
-                    launch_load_layer(rt, hp, dp, local, h, d, runs, fault)
-            ev = self.layer_done_counter.layer_event(producer_id, layer) if producer_id >= 0 else rt.event(self.enable_timing)
-            ev.record(self.load_stream)
-            events.append(ev)
-        return events
+        layer_event: Callable[[int], DeviceEvent]
+        if producer_id >= 0:
+            layer_event = partial(self.layer_done_counter.layer_event, producer_id)
+        else:
+            layer_event = self._untracked_layer_event
+        return self._launcher.load(pairs, fault, layer_event, self.load_stream)
+
+    def _untracked_layer_event(self, layer: int) -> DeviceEvent:
+        """A layer's event of a load no layer-done counter waits for."""
+        return self.runtime.event(self.enable_timing)
 
     def _start(self, direction: str, stream: Any, producer_id: int) -> None:
         op = self._take_queue(direction)
