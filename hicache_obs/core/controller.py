@@ -48,7 +48,7 @@ from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy
 from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
 from .describe import describe, submission_refs
-from .index_moves import Expected, IndexNormaliser, move_op_indices
+from .index_moves import Expected, IndexNormaliser
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
@@ -818,37 +818,6 @@ class HiCacheController:
         return self._pool(pool, "host")  # type: ignore[return-value]
 
 
-class HybridCacheController(HiCacheController):
-    """Controller for hybrid models: KV (the anchor) plus Mamba and/or SWA pools.
-
-    ``write``/``load`` take ``pool_transfers`` and return ``(indices, transfers)``
-    where ``transfers`` are new :class:`PoolTransfer` objects with the allocated
-    side filled in (the caller's are never changed). Allocation is atomic across
-    pools; a load with empty anchor indices moves the pools only.
-    """
-
-    def write(  # type: ignore[override]
-        self,
-        device_indices: torch.Tensor,
-        priority: int | None = None,
-        node_id: int = -1,
-        pool_transfers: Sequence[PoolTransfer] | None = None,
-    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
-        return self._write(device_indices, priority, node_id, pool_transfers)
-
-    def load(  # type: ignore[override]
-        self,
-        host_indices: torch.Tensor,
-        priority: int | None = None,
-        node_id: int = -1,
-        pool_transfers: Sequence[PoolTransfer] | None = None,
-    ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
-        return self._load(host_indices, priority, node_id, pool_transfers)
-
-    def move_hybrid_indices(self, op: CacheOperation) -> CacheOperation:
-        """Move the anchor's and every pool transfer's indices; returns a new op with new transfers."""
-        with self._lock:
-            return move_op_indices(op, self.move_indices)
-
-    def _move_op(self, op: CacheOperation) -> CacheOperation:
-        return self.move_hybrid_indices(op)
+# the hybrid controller is a HiCacheController: its module imports this one, and it is
+# importable from here too (``hicache_obs.core`` imports this module first)
+from .hybrid import HybridCacheController  # noqa: E402
