@@ -1,6 +1,7 @@
 """The torch side: runtimes, model specs, pools, operations and controllers."""
 
-from .controller import ANCHOR, Ack, HiCacheController, HybridCacheController
+from .controller import ANCHOR, Ack, HiCacheController
+from .hybrid import HybridCacheController
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WRITE_POLICIES, WritePolicy

@@ -9,6 +9,13 @@ of those events.
 Thread-safety: every public method takes the controller's lock, so calls from
 several threads are serialised; events are appended under the log's lock with
 gap-free ``seq``.
+
+This module is the facade: the lock, the queues, the public methods and the hot path of
+a submission (``_submit``). Each concept has a module of its own: input checks
+(:mod:`.validation`), multi-pool allocation and alias resolution (:mod:`.allocation`),
+index normalisation (:mod:`.index_moves`), tensor descriptions (:mod:`.describe`), index
+pairs and copy launches (:mod:`.submission`), transfers in flight and acks (:mod:`.acks`),
+and :class:`HybridCacheController` (:mod:`.hybrid`, re-exported here).
 """
 
 from __future__ import annotations
