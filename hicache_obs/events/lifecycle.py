@@ -22,8 +22,8 @@ Two modes:
 - offline (``keep=True``): every record is kept, finished or not; the sources of a merge
   of several ops stay, with ``merged_into`` set and status ``"merged"``.
 
-``detail=False`` keeps no lists of moves and records (``moves``/``records`` are None), for
-readers that only count.
+``detail=False`` keeps no lists of moves and records (``moves``/``records`` are the empty
+tuple ``()``, never appended to), for readers that only count.
 
 The rules, for any log, well-formed or not:
 
@@ -113,9 +113,10 @@ class OpRecord:
     slots_by_pool: tuple[tuple[str, int], ...] = ()
     submit: TransferSubmitted | None = None
     done: TransferCompleted | TransferFailed | None = None
-    #: the op's ``IndicesMoved`` and ``StreamRecorded`` events (None with ``detail=False``)
-    moves: list[IndicesMoved] | None = None
-    records: list[StreamRecorded] | None = None
+    #: the op's ``IndicesMoved`` and ``StreamRecorded`` events, in log order (``()``, the
+    #: empty tuple, when the fold keeps no detail)
+    moves: list[IndicesMoved] | tuple[()] = ()
+    records: list[StreamRecorded] | tuple[()] = ()
     violations: list[AuditViolation] = field(default_factory=list)
     #: what a reader attaches to the record for its own use (the fold never reads it)
     evidence: Any = None
@@ -429,8 +430,9 @@ class OpLifecycles:
         rec = self._record(ev.rank, ev.op)
         if rec.moved_ns is None:
             rec.moved_ns = ev.ts_ns
-        if rec.moves is not None:
-            rec.moves.append(ev)
+        moves = rec.moves
+        if isinstance(moves, list):
+            moves.append(ev)
         return Step.MOVED, rec
 
     def _stream_recorded(self, ev: StreamRecorded) -> Applied:
@@ -439,8 +441,9 @@ class OpLifecycles:
         rec = self._record(ev.rank, ev.op)
         if rec.recorded_ns is None:
             rec.recorded_ns = ev.ts_ns
-        if rec.records is not None:
-            rec.records.append(ev)
+        records = rec.records
+        if isinstance(records, list):
+            records.append(ev)
         return Step.RECORDED, rec
 
     def _submitted(self, ev: TransferSubmitted) -> Applied:

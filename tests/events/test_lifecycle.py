@@ -193,7 +193,7 @@ def test_g_moves_and_records_of_an_op_without_a_record_make_one_except_for_a_neg
     # detail=False keeps no lists, the times still
     lc, _ = fold([mv, rc], detail=False)
     rec = lc.get(0, 4)
-    assert rec is not None and (rec.moves, rec.records, rec.moved_ns, rec.recorded_ns) == (None, None, 100, 110)
+    assert rec is not None and (rec.moves, rec.records, rec.moved_ns, rec.recorded_ns) == ((), (), 100, 110)
 
 
 def test_h_a_violation_of_a_negative_or_unknown_op_is_loose() -> None:
