@@ -30,6 +30,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hicache_obs.events.lifecycle import OpLifecycles, OpRecord
 from hicache_obs.events.schema import (
     AuditViolation,
     Event,
@@ -43,7 +44,7 @@ from hicache_obs.events.schema import (
     runs_len,
 )
 
-from ._ops import OpRecord, fold_ops
+from ._fields import export_status
 
 __all__ = ["CONTROLLER_TRACK", "AUDIT_TRACK", "STREAM_TRACKS", "chrome_trace", "write_chrome_trace", "ChromeTraceSink"]
 
@@ -76,18 +77,18 @@ def _op_args(rec: OpRecord, t0: int) -> dict[str, Any]:
     args: dict[str, Any] = {
         "op": rec.op,
         "direction": rec.direction,
-        "status": rec.status,
+        "status": export_status(rec),
         "slots": rec.slots,
         "bytes": rec.bytes,
         "pools": rec.pools,
-        "slots_by_pool": rec.slots_by_pool,
-        "bytes_by_pool": rec.bytes_by_pool,
+        "slots_by_pool": dict(rec.slots_by_pool),
+        "bytes_by_pool": dict(rec.bytes_by_pool),
         "unrecorded": rec.unrecorded_indices,
         "unrecorded_pools": rec.unrecorded_pools,
         "node_ids": list(rec.node_ids),
         "merged_ops": list(rec.merged_ops),
-        "io_backend": sub.io_backend if sub is not None else "",
-        "layout": sub.layout if sub is not None else "",
+        "io_backend": rec.io_backend,
+        "layout": rec.layout,
         "submit_us": _us(sub.ts_ns, t0) if sub is not None else None,
     }
     if rec.queue_wait_ns is not None:
@@ -133,7 +134,7 @@ def chrome_trace(events: Iterable[Event]) -> dict[str, Any]:
             d["cname"] = cname
         out.append(d)
 
-    ops, _ = fold_ops(evs)
+    ops = OpLifecycles.offline(evs).top_level()
     stream_of = {rec.key: rec.stream for rec in ops}
     for ev in evs:
         tr(ev.rank)

@@ -64,6 +64,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from hicache_obs.events.lifecycle import OpLifecycles
+from hicache_obs.events.lifecycle import OpRecord as Record
 from hicache_obs.events.schema import (
     AuditViolation,
     Event,
@@ -72,7 +74,7 @@ from hicache_obs.events.schema import (
     TransferSubmitted,
 )
 
-from ._ops import _NOT_OP_EVENTS, OpKey, OpRecord, OpTable, fold_ops
+from ._ops import _NOT_OP_EVENTS, OpKey, OpRecord, OpTable
 
 __all__ = [
     "SPAN_ATTRIBUTES",
@@ -136,7 +138,7 @@ def make_tracer_provider(service_name: str = "hicache-obs", exporter: Any = None
     return provider
 
 
-def span_attributes(rec: OpRecord) -> dict[str, Any]:
+def span_attributes(rec: OpRecord | Record) -> dict[str, Any]:
     """The span attributes of an operation (all of :data:`SPAN_ATTRIBUTES`)."""
     sub = rec.submit
     return {
@@ -489,7 +491,7 @@ def _kv(attrs: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"key": k, "value": _any_value(v)} for k, v in attrs.items()]
 
 
-def _ids_for(rec: OpRecord) -> tuple[str, str]:
+def _ids_for(rec: Record) -> tuple[str, str]:
     seed = f"{rec.rank}/{rec.op}/{rec.start_ns}".encode()
     h = hashlib.blake2b(seed, digest_size=24).digest()
     trace, span = h[:16], h[16:]
@@ -500,7 +502,7 @@ def _ids_for(rec: OpRecord) -> tuple[str, str]:
     return trace.hex(), span.hex()
 
 
-def _span_json(rec: OpRecord, last_ts: int) -> dict[str, Any]:
+def _span_json(rec: Record, last_ts: int) -> dict[str, Any]:
     trace_id, span_id = _ids_for(rec)
     start = rec.start_ns or 0
     end = rec.end_ns(default=last_ts)
@@ -536,7 +538,7 @@ def otlp_json(events: Iterable[Event], *, service_name: str = "hicache-obs") -> 
     Ops submitted but never completed end at the rank's last event, status ERROR.
     """
     evs: Sequence[Event] = events if isinstance(events, (list, tuple)) else list(events)
-    ops, _ = fold_ops(evs)
+    ops = OpLifecycles.offline(evs).top_level()
     last_ts: dict[int, int] = {}
     for ev in evs:
         if ev.ts_ns > last_ts.get(ev.rank, 0):

@@ -43,7 +43,7 @@ The rules, for any log, well-formed or not:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -319,6 +319,17 @@ class OpLifecycles:
         self._open: dict[OpKey, OpRecord] = {}  # merged or submitted, not finished: first-touched order
         self._flying: dict[OpKey, str] = {}  # submitted, not finished -> the submission's direction
         self._counts: dict[str, int] = {}  # direction -> len of _flying with it
+
+    @classmethod
+    def offline(cls, events: Iterable[Event], *, detail: bool = True) -> OpLifecycles:
+        """The offline fold (``keep=True``) of a whole log."""
+        ops = cls(keep=True, detail=detail)
+        fold = cls._FOLD.get
+        for ev in events:
+            f = fold(type(ev))
+            if f is not None:
+                f(ops, ev)
+        return ops
 
     # ------------------------------------------------------------------ reading
     def get(self, rank: int, op: int) -> OpRecord | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .lifecycle import NOT_OP_EVENTS, OpLifecycles, OpRecord
+from .lifecycle import OpLifecycles, OpRecord
 from .schema import Event, PoolCreated, SlotsAllocated, SlotsFreed, runs_len
 
 __all__ = ["occupancy", "OpLifecycle", "lifecycles", "TensorRecord", "tensor_records"]
@@ -52,16 +52,7 @@ OpLifecycle = OpRecord
 def lifecycles(events: Iterable[Event]) -> dict[tuple[int, int], OpLifecycle]:
     """Every op's stages (see module doc), in the order of each op's first event. Merged
     source ops point at their merged op. The offline :class:`OpLifecycles` of ``events``."""
-    return _offline(events).records
-
-
-def _offline(events: Iterable[Event]) -> OpLifecycles:
-    ops = OpLifecycles(keep=True)
-    apply = ops.apply
-    for ev in events:
-        if type(ev) not in NOT_OP_EVENTS:
-            apply(ev)
-    return ops
+    return OpLifecycles.offline(events).records
 
 
 @dataclass(frozen=True)
@@ -84,7 +75,7 @@ class TensorRecord:
 def tensor_records(events: Iterable[Event]) -> list[TensorRecord]:
     """Record status of every index tensor a submitted transfer used (ops in submission order)."""
     out = []
-    subs = sorted((r for r in _offline(events).records.values() if r.submit is not None), key=_submit_seq)
+    subs = sorted((r for r in OpLifecycles.offline(events).records.values() if r.submit is not None), key=_submit_seq)
     for rec in subs:
         sub = rec.submit
         assert sub is not None
