@@ -18,10 +18,11 @@ before submission, so these events may precede the span's start),
 per ``AuditViolation`` of the op. Status ERROR, with a description, when the op
 failed or the auditor reported a violation for it.
 
+The spans follow the live op lifecycle (:class:`~hicache_obs.events.lifecycle.OpLifecycles`).
 The live auditor appends its ``unrecorded_index`` violations right after the
 ``TransferCompleted``; a span is therefore ended only when the next event of the
 same rank (not a violation of that op) arrives, or on ``flush()``/``close()``,
-whatever the batch boundaries (see :mod:`hicache_obs.exporters._ops`).
+whatever the batch boundaries (:class:`~hicache_obs.exporters._fields.Settling`).
 
 With ``tracer_provider=None`` the sink builds its own SDK ``TracerProvider`` with
 a ``BatchSpanProcessor`` and an OTLP/HTTP exporter configured by the standard
@@ -64,17 +65,15 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from hicache_obs.events.lifecycle import OpLifecycles
-from hicache_obs.events.lifecycle import OpRecord as Record
+from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpKey, OpLifecycles, OpRecord, Step
 from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
     StreamRecorded,
-    TransferSubmitted,
 )
 
-from ._ops import _NOT_OP_EVENTS, OpKey, OpRecord, OpTable
+from ._fields import Settling
 
 __all__ = [
     "SPAN_ATTRIBUTES",
@@ -138,14 +137,13 @@ def make_tracer_provider(service_name: str = "hicache-obs", exporter: Any = None
     return provider
 
 
-def span_attributes(rec: OpRecord | Record) -> dict[str, Any]:
+def span_attributes(rec: OpRecord) -> dict[str, Any]:
     """The span attributes of an operation (all of :data:`SPAN_ATTRIBUTES`)."""
-    sub = rec.submit
     return {
         "hicache.op_id": rec.op,
         "hicache.direction": rec.direction,
-        "hicache.io_backend": sub.io_backend if sub is not None else "",
-        "hicache.layout": sub.layout if sub is not None else "",
+        "hicache.io_backend": rec.io_backend,
+        "hicache.layout": rec.layout,
         "hicache.pools": list(rec.pools),
         "hicache.slots": rec.slots,
         "hicache.bytes": rec.bytes,
@@ -281,7 +279,7 @@ class OtelSpanSink:
         self.max_ids = max_ids
         self.flush_timeout_s = flush_timeout_s
         self._lock = threading.Lock()
-        self._table = OpTable(live=True)
+        self._ops = Settling()
         self._spans: dict[OpKey, Span] = {}
         self._ids: OrderedDict[OpKey, tuple[int, int]] = OrderedDict()
         self._seen: dict[int, int] = {}  # rank -> highest seq handled
@@ -298,10 +296,10 @@ class OtelSpanSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            pending = self._table.pending
+            pending = self._ops.pending
             apply = self._apply
             for ev in events:
-                if type(ev) in _NOT_OP_EVENTS and not pending:
+                if type(ev) in NOT_OP_EVENTS and not pending:
                     continue  # allocations and frees touch no span, and settle none
                 apply(ev)
             last = {ev.rank: ev for ev in events}  # each rank's last event of the batch
@@ -317,7 +315,7 @@ class OtelSpanSink:
     def flush(self) -> None:
         """End the spans of every completed op and flush the provider (within ``flush_timeout_s``)."""
         with self._lock:
-            for rec in self._table.settle_all():
+            for rec in self._ops.settle_all():
                 self._end(rec)
         flush = getattr(self.provider, "force_flush", None)
         if flush is None:
@@ -338,9 +336,9 @@ class OtelSpanSink:
         with self._lock:
             if self.closed:
                 return
-            for rec in self._table.settle_all():
+            for rec in self._ops.settle_all():
                 self._end(rec)
-            for rec in self._table.unfinished():
+            for rec in self._ops.unfinished():
                 self._end(rec, incomplete=True)
             self.closed = True
         with self._cv:
@@ -421,17 +419,21 @@ class OtelSpanSink:
     # ----------------------------------------------------------- folding
     def _apply(self, ev: Event) -> None:
         """Fold one event into the spans (``handle_batch`` records what was seen, and when)."""
-        rec, settled = self._table.apply(ev)
+        got, settled = self._ops.apply(ev)
         for r in settled:
             self._end(r)
-        if rec is not None:
-            if isinstance(ev, TransferSubmitted):
-                self._start(rec)
-            else:
-                span = self._spans.get(rec.key)
-                described = _span_event(ev) if span is not None else None
-                if span is not None and described is not None:
-                    span.add_event(described[0], described[1], timestamp=ev.ts_ns)
+        if got is None:
+            return
+        step, rec = got
+        if rec is None:
+            return
+        if step is Step.SUBMITTED:
+            self._start(rec)
+        elif step is Step.MOVED or step is Step.RECORDED or step is Step.VIOLATION:
+            span = self._spans.get(rec.key)
+            described = _span_event(ev) if span is not None else None
+            if span is not None and described is not None:
+                span.add_event(described[0], described[1], timestamp=ev.ts_ns)
 
     def _start(self, rec: OpRecord) -> None:
         sub = rec.submit
@@ -491,7 +493,7 @@ def _kv(attrs: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"key": k, "value": _any_value(v)} for k, v in attrs.items()]
 
 
-def _ids_for(rec: Record) -> tuple[str, str]:
+def _ids_for(rec: OpRecord) -> tuple[str, str]:
     seed = f"{rec.rank}/{rec.op}/{rec.start_ns}".encode()
     h = hashlib.blake2b(seed, digest_size=24).digest()
     trace, span = h[:16], h[16:]
@@ -502,7 +504,7 @@ def _ids_for(rec: Record) -> tuple[str, str]:
     return trace.hex(), span.hex()
 
 
-def _span_json(rec: Record, last_ts: int) -> dict[str, Any]:
+def _span_json(rec: OpRecord, last_ts: int) -> dict[str, Any]:
     trace_id, span_id = _ids_for(rec)
     start = rec.start_ns or 0
     end = rec.end_ns(default=last_ts)

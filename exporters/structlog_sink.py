@@ -42,9 +42,10 @@ from typing import Any, TextIO
 import msgspec
 import structlog
 
+from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpRecord
 from hicache_obs.events.schema import AuditViolation, Event
 
-from ._ops import _NOT_OP_EVENTS, OpRecord, OpTable
+from ._fields import Settling, export_status
 
 __all__ = ["StructlogSink", "make_json_logger", "LEVELS"]
 
@@ -117,7 +118,7 @@ class StructlogSink:
         self.level = level
         self.span_ids = span_ids
         self.id_wait_s = id_wait_s
-        self._table = OpTable(live=True)
+        self._ops = Settling()
         self._lines: deque[_Line] = deque()
         self.lines_written = 0
         self._closed = False
@@ -130,21 +131,21 @@ class StructlogSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            table = self._table
-            pending = table.pending
+            ops = self._ops
+            pending = ops.pending
             for ev in events:
-                if type(ev) in _NOT_OP_EVENTS and not pending:
+                if type(ev) in NOT_OP_EVENTS and not pending:
                     continue  # allocations and frees touch no op, and settle none
-                rec, settled = table.apply(ev)
+                got, settled = ops.apply(ev)
                 for r in settled:
                     self._finished(r)
-                if isinstance(ev, AuditViolation) and rec is None:
-                    self._violation(ev, None)
+                if got is not None and got[1] is None and isinstance(ev, AuditViolation):
+                    self._violation(ev, None)  # of no known op: logged at once
             self._drain(block=True)
 
     def flush(self) -> None:
         with self._lock:
-            for r in self._table.settle_all():
+            for r in self._ops.settle_all():
                 self._finished(r)
             self._drain(block=True, final=True)
 
@@ -156,9 +157,9 @@ class StructlogSink:
         if self._closed:
             return
         self._closed = True
-        for r in self._table.settle_all():
+        for r in self._ops.settle_all():
             self._finished(r)
-        for r in self._table.unfinished():
+        for r in self._ops.unfinished():
             if r.submit is not None:
                 self._queue(r, "warning", "hicache.operation_incomplete", self._op_fields(r, r.submit.ts_ns))
                 for v in r.violations:
@@ -174,16 +175,16 @@ class StructlogSink:
             "rank": r.rank,
             "op": r.op,
             "direction": r.direction,
-            "status": r.status,
+            "status": export_status(r),
             "pools": r.pools,
             "slots": r.slots,
             "bytes": r.bytes,
-            "slots_by_pool": r.slots_by_pool,
+            "slots_by_pool": dict(r.slots_by_pool),
             "duration_s": None if dur is None else dur / 1e9,
             "queue_wait_s": None if wait is None else wait / 1e9,
             "node_ids": list(r.node_ids),
             "stream": r.stream,
-            "io_backend": r.submit.io_backend if r.submit is not None else "",
+            "io_backend": r.io_backend,
             "unrecorded_indices": r.unrecorded_indices,
             "unrecorded_pools": r.unrecorded_pools,
         }

@@ -71,6 +71,7 @@ __all__ = [
     "OpKey",
     "OpRecord",
     "Step",
+    "Applied",
     "OpLifecycles",
 ]
 
@@ -297,6 +298,8 @@ class Step(IntEnum):
     FINISHED = 6
 
 
+#: What :meth:`OpLifecycles.apply` returns for an op event: the step and the op's record
+#: (None: a move, record or violation of no known op).
 Applied = tuple[Step, OpRecord | None]
 
 

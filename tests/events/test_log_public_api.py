@@ -208,13 +208,15 @@ def test_the_states_handlers_are_the_folds_apply_dispatches_to() -> None:
 
 def test_an_op_tables_pending_shows_what_a_completion_left_unsettled() -> None:
     from hicache_obs.events import AllocationFailed, TransferCompleted
-    from hicache_obs.exporters._ops import OpTable
+    from hicache_obs.events.lifecycle import Step
+    from hicache_obs.exporters._fields import Settling
 
-    table = OpTable(live=True)
+    table = Settling()
     assert table.pending == {}
     done = TransferCompleted(seq=0, ts_ns=1, op=7, direction="d2h", duration_ns=5)
-    rec, settled = table.apply(done)
-    assert rec is not None and settled == []
+    got, settled = table.apply(done)
+    assert got is not None and got[0] is Step.FINISHED and settled == []
+    rec = got[1]
     assert {rank: list(ops) for rank, ops in table.pending.items()} == {0: [(0, 7)]}
     _, settled = table.apply(AllocationFailed(seq=1, ts_ns=2, pool="kv", tier="host", requested=1, available=0))
     assert settled == [rec]  # the next event of the rank settled it
