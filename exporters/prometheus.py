@@ -67,6 +67,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import choose_encoder
 
 from hicache_obs.events.audit import RULES
+from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpLifecycles
 from hicache_obs.events.schema import (
     DIRECTIONS,
     EVENT_TYPES,
@@ -76,8 +77,6 @@ from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
-    OperationQueued,
-    OperationsMerged,
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
@@ -191,9 +190,8 @@ class PrometheusSink:
         # per rank, so that several ranks' events sum instead of overwriting each other
         self._capacity: dict[tuple[int, str, str], int] = {}
         self._used: dict[tuple[int, str, str], int] = {}
-        self._inflight: dict[tuple[int, int], TransferSubmitted] = {}
-        self._queued: dict[tuple[int, int], int] = {}
-        self._merged_queued: dict[tuple[int, int], int] = {}
+        # the ops (live, no detail): queue waits, durations, what completed ops moved, in flight
+        self._ops = OpLifecycles(detail=False)
         self._closed = False
         v = self._values
         for d in DIRECTIONS:
@@ -294,54 +292,52 @@ class PrometheusSink:
     def _apply_other(self, ev: Event) -> None:
         """Fold one event other than an allocation or a free, except for
         ``hicache_events_total`` (``handle_batch`` does those)."""
-        key = (ev.rank, getattr(ev, "op", -1))
+        cls = type(ev)
+        if cls in NOT_OP_EVENTS:
+            if isinstance(ev, PoolCreated):
+                self._add_pool(ev.pool)
+                k3 = (ev.rank, ev.pool, ev.tier)
+                self._capacity[k3] = ev.capacity
+                self._used[k3] = 0
+            elif isinstance(ev, AllocationFailed):
+                self._add_pool(ev.pool)
+                self._inc(m.ALLOCATION_FAILURES_TOTAL, (ev.pool, ev.tier))
+            return
+        first = False
+        if isinstance(ev, TransferSubmitted):  # counted once per op: a repeated submission waited no more
+            before = self._ops.get(ev.rank, ev.op)
+            first = before is None or before.submit is None
+        got = self._ops.apply(ev)
+        rec = got[1] if got is not None else None
         if isinstance(ev, IndicesMoved):
             self._add_pool(ev.pool)
             self._inc(m.INDEX_MOVES_TOTAL, (ev.pool, ev.role))
         elif isinstance(ev, StreamRecorded):
             self._add_pool(ev.pool)
             self._inc(m.STREAM_RECORDS_TOTAL, (ev.pool, ev.role))
-        elif isinstance(ev, OperationQueued):
-            self._queued[key] = ev.ts_ns
-        elif isinstance(ev, OperationsMerged):
-            times = [t for t in (self._queued.pop((ev.rank, o), None) for o in ev.merged_ops) if t is not None]
-            if times:
-                self._merged_queued[key] = min(times)
         elif isinstance(ev, TransferSubmitted):
             self._inc(m.OPERATIONS_TOTAL, (ev.direction, "submitted"))
-            self._inflight[key] = ev
-            queued = self._merged_queued.pop(key, None)
-            if queued is not None:
-                self._observe(m.QUEUE_WAIT_SECONDS, ev.direction, max(0, ev.ts_ns - queued) / 1e9)
+            wait = rec.queue_wait_ns if rec is not None and first else None
+            if wait is not None:
+                self._observe(m.QUEUE_WAIT_SECONDS, ev.direction, wait / 1e9)
         elif isinstance(ev, TransferCompleted):
             self._inc(m.OPERATIONS_TOTAL, (ev.direction, "completed"))
-            sub = self._inflight.pop(key, None)
-            if sub is not None:
+            assert rec is not None  # a completion always finishes a record
+            sub = rec.submit
+            if sub is not None:  # what the op moved, as submitted
                 for pool, n in sub.slots_by_pool:
                     self._add_pool(pool)
                     self._inc(m.TRANSFER_SLOTS_TOTAL, (pool, ev.direction), n)
                 for pool, n in sub.bytes_by_pool:
                     self._inc(m.TRANSFER_BYTES_TOTAL, (pool, ev.direction), n)
-            dur = ev.duration_ns
-            if dur <= 0 and sub is not None:
-                dur = max(0, ev.ts_ns - sub.ts_ns)
-            self._observe(m.TRANSFER_DURATION_SECONDS, ev.direction, dur / 1e9)
+            self._observe(m.TRANSFER_DURATION_SECONDS, ev.direction, (rec.duration_ns or 0) / 1e9)
         elif isinstance(ev, TransferFailed):
             self._inc(m.OPERATIONS_TOTAL, (ev.direction, "failed"))
-            self._inflight.pop(key, None)
         elif isinstance(ev, AuditViolation):
             self._inc(m.AUDIT_VIOLATIONS_TOTAL, (ev.rule, ev.pool))
             if ev.rule == "unrecorded_index":
                 self._add_pool(ev.pool)
                 self._inc(m.UNRECORDED_INDICES_TOTAL, (ev.pool, ev.role, ev.direction))
-        elif isinstance(ev, PoolCreated):
-            self._add_pool(ev.pool)
-            k3 = (ev.rank, ev.pool, ev.tier)
-            self._capacity[k3] = ev.capacity
-            self._used[k3] = 0
-        elif isinstance(ev, AllocationFailed):
-            self._add_pool(ev.pool)
-            self._inc(m.ALLOCATION_FAILURES_TOTAL, (ev.pool, ev.tier))
 
     def _observe(self, name: str, direction: str, seconds: float) -> None:
         h = self._hists[name].get((direction,))
@@ -357,9 +353,7 @@ class PrometheusSink:
             out = {name: dict(d) for name, d in self._values.items()}
             inflight = out[m.TRANSFERS_IN_FLIGHT]
             for d in DIRECTIONS:
-                inflight[(d,)] = 0
-            for sub in self._inflight.values():
-                inflight[(sub.direction,)] = inflight.get((sub.direction,), 0) + 1
+                inflight[(d,)] = self._ops.in_flight_count(d)
             for name, per_rank in ((m.POOL_USED_SLOTS, self._used), (m.POOL_CAPACITY_SLOTS, self._capacity)):
                 sums: dict[Labels, float] = {}
                 for (_, pool, tier), n in per_rank.items():
