@@ -91,6 +91,9 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "Sink", "BatchSink", "ListSink", "SinkRunner", "CacheState", "OpState", "SlotTable", "fold",
     ),
     "hicache_obs.events.audit": ("RULES", "Finding", "Auditor", "audit"),
+    "hicache_obs.events.lifecycle": (
+        "PHASES", "UNRECORDED_RULE", "NOT_OP_EVENTS", "OpKey", "OpRecord", "Step", "Applied", "OpLifecycles",
+    ),
     "hicache_obs.events.log": ("EventLog", "Subscriber"),
     "hicache_obs.events.projections": ("occupancy", "OpLifecycle", "lifecycles", "TensorRecord", "tensor_records"),
     "hicache_obs.events.replay": (
