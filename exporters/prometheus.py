@@ -303,19 +303,29 @@ class PrometheusSink:
                 self._add_pool(ev.pool)
                 self._inc(m.ALLOCATION_FAILURES_TOTAL, (ev.pool, ev.tier))
             return
+        if isinstance(ev, IndicesMoved):
+            self._add_pool(ev.pool)
+            self._inc(m.INDEX_MOVES_TOTAL, (ev.pool, ev.role))
+            return
+        if isinstance(ev, StreamRecorded):
+            self._add_pool(ev.pool)
+            self._inc(m.STREAM_RECORDS_TOTAL, (ev.pool, ev.role))
+            return
+        if isinstance(ev, AuditViolation):
+            self._inc(m.AUDIT_VIOLATIONS_TOTAL, (ev.rule, ev.pool))
+            if ev.rule == "unrecorded_index":
+                self._add_pool(ev.pool)
+                self._inc(m.UNRECORDED_INDICES_TOTAL, (ev.pool, ev.role, ev.direction))
+            return
+        # queued, merged, submitted, finished: the op's lifecycle (moves, records and
+        # violations change nothing the sink reads from it, so they are not folded)
         first = False
         if isinstance(ev, TransferSubmitted):  # counted once per op: a repeated submission waited no more
             before = self._ops.get(ev.rank, ev.op)
             first = before is None or before.submit is None
         got = self._ops.apply(ev)
         rec = got[1] if got is not None else None
-        if isinstance(ev, IndicesMoved):
-            self._add_pool(ev.pool)
-            self._inc(m.INDEX_MOVES_TOTAL, (ev.pool, ev.role))
-        elif isinstance(ev, StreamRecorded):
-            self._add_pool(ev.pool)
-            self._inc(m.STREAM_RECORDS_TOTAL, (ev.pool, ev.role))
-        elif isinstance(ev, TransferSubmitted):
+        if isinstance(ev, TransferSubmitted):
             self._inc(m.OPERATIONS_TOTAL, (ev.direction, "submitted"))
             wait = rec.queue_wait_ns if rec is not None and first else None
             if wait is not None:
@@ -333,11 +343,6 @@ class PrometheusSink:
             self._observe(m.TRANSFER_DURATION_SECONDS, ev.direction, (rec.duration_ns or 0) / 1e9)
         elif isinstance(ev, TransferFailed):
             self._inc(m.OPERATIONS_TOTAL, (ev.direction, "failed"))
-        elif isinstance(ev, AuditViolation):
-            self._inc(m.AUDIT_VIOLATIONS_TOTAL, (ev.rule, ev.pool))
-            if ev.rule == "unrecorded_index":
-                self._add_pool(ev.pool)
-                self._inc(m.UNRECORDED_INDICES_TOTAL, (ev.pool, ev.role, ev.direction))
 
     def _observe(self, name: str, direction: str, seconds: float) -> None:
         h = self._hists[name].get((direction,))

@@ -383,7 +383,15 @@ class OpLifecycles:
             self._counts[d] -= 1
 
     def _queued(self, ev: OperationQueued) -> Applied:
-        rec = self._record(ev.rank, ev.op, ev.direction)
+        key = (ev.rank, ev.op)
+        rec = self.records.get(key)
+        if rec is None:  # the usual: a new op (_record, inlined)
+            rec = self.records[key] = OpRecord(ev.rank, ev.op, ev.direction)
+            if self.detail:
+                rec.moves = []
+                rec.records = []
+        elif not rec.direction:
+            rec.direction = ev.direction
         rec.queued_ns = ev.ts_ns
         rec.node_ids = (ev.node_id,)
         rec.priority = ev.priority
@@ -420,13 +428,14 @@ class OpLifecycles:
             for src in sources:
                 if src.op == op:
                     continue
+                key = (rank, src.op)
                 if self.keep:
                     src.merged_into = op
                     src.status = "merged"
                 else:
-                    del records[src.key]
-                self._open.pop(src.key, None)
-                self._unfly(src.key)
+                    del records[key]
+                self._open.pop(key, None)
+                self._unfly(key)
             rec = self._record(rank, op, ev.direction)
             rec.node_ids = ev.node_ids if ev.node_ids else tuple(node_ids)
             rec.priority = prio if prio is not None else op
@@ -435,7 +444,7 @@ class OpLifecycles:
         rec.status = "merged"
         rec.merged_ops = ops
         rec.merged_ns = ev.ts_ns
-        self._open.setdefault(rec.key, rec)
+        self._open.setdefault((rank, op), rec)
         return Step.MERGED, rec
 
     def _moved(self, ev: IndicesMoved) -> Applied:
@@ -482,11 +491,17 @@ class OpLifecycles:
 
     def _finished(self, ev: TransferCompleted | TransferFailed) -> Applied:
         key = (ev.rank, ev.op)
-        rec = self._record(ev.rank, ev.op, ev.direction)  # (e)
+        rec = self.records.get(key)
+        if rec is None:  # (e)
+            rec = self._record(ev.rank, ev.op, ev.direction)
+        elif not rec.direction:
+            rec.direction = ev.direction
         rec.done = ev
         rec.status = "completed" if type(ev) is TransferCompleted else "failed"
-        self._open.pop(key, None)
-        self._unfly(key)
+        if self._open.pop(key, None) is not None:
+            d = self._flying.pop(key, None)
+            if d is not None:
+                self._counts[d] -= 1
         if not self.keep:
             del self.records[key]
         return Step.FINISHED, rec
