@@ -160,11 +160,15 @@ def _select(views: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[
     return out
 
 
-def timeline(
-    events: list[Any], findings: Iterable[Any], keep: set[tuple[int, int]] | None, pool: str | None
-) -> list[dict[str, Any]]:
-    """Operation events (and the audit's findings after the event that revealed them) as lines."""
+def timeline(events: list[Any], keep: set[tuple[int, int]] | None, pool: str | None) -> list[dict[str, Any]]:
+    """Operation events and the audit's verdicts as lines, in log order.
+
+    ``events`` is a log as :func:`~hicache_obs.events.audit.audited` gives it: each verdict
+    is shown after the event that revealed it (with its time), the end-of-log ones last
+    (seq -1, at the log's last time).
+    """
     from ..events.schema import (
+        AuditViolation,
         IndicesMoved,
         OperationQueued,
         OperationsMerged,
@@ -175,10 +179,6 @@ def timeline(
     )
 
     t0 = events[0].ts_ns if events else 0
-    by_seq: dict[tuple[int, int], list[Any]] = {}
-    at_end: list[Any] = []
-    for f in findings:
-        (by_seq.setdefault((f.rank, f.seq), []) if f.seq >= 0 else at_end).append(f)
     owner: dict[tuple[int, int], int] = {}  # source op -> merged op
     for ev in events:
         if isinstance(ev, OperationsMerged):
@@ -201,12 +201,21 @@ def timeline(
     def kept(rank: int, op: int) -> bool:
         return keep is None or (rank, op) in keep or (rank, owner.get((rank, op), -1)) in keep
 
+    def verdicts(held: list[Any], seq: int, ts: int) -> None:
+        for v in held:
+            if kept(v.rank, v.op) and (pool is None or v.pool in (pool, "*")):
+                lines.append(_finding_line(v, seq, ts, t0))
+
     def slots(pairs: Any) -> str:
         return " ".join(f"{p}:{n}" for p, n in pairs if pool is None or p == pool)
 
     last_ts = t0
+    held: list[Any] = []  # the verdicts that come before the event that revealed them
     for ev in events:
         last_ts = max(last_ts, ev.ts_ns)
+        if isinstance(ev, AuditViolation):
+            held.append(ev)
+            continue
         name = type(ev).__name__
         if name in OP_EVENTS and kept(ev.rank, ev.op):
             ev_pool = getattr(ev, "pool", None)
@@ -225,42 +234,42 @@ def timeline(
                     add(ev, ev.op, f"completed in {fmt_ns(ev.duration_ns)}")
                 elif isinstance(ev, TransferFailed):
                     add(ev, ev.op, f"FAILED {ev.error}")
-        for f in by_seq.get((ev.rank, ev.seq), []):
-            if kept(f.rank, f.op) and (pool is None or f.pool in (pool, "*")):
-                lines.append(_finding_line(f, ev.ts_ns, t0))
-    for f in at_end:
-        if kept(f.rank, f.op) and (pool is None or f.pool in (pool, "*")):
-            lines.append(_finding_line(f, last_ts, t0))
+        if held:
+            verdicts(held, ev.seq, ev.ts_ns)
+            held = []
+    verdicts(held, -1, last_ts)  # after the last event: the end-of-log findings
     return lines
 
 
-def _finding_line(f: Any, ts: int, t0: int) -> dict[str, Any]:
+def _finding_line(v: Any, seq: int, ts: int, t0: int) -> dict[str, Any]:
     return {
         "t_ms": (ts - t0) / 1e6,
-        "seq": f.seq,
-        "rank": f.rank,
-        "op": f.op,
+        "seq": seq,
+        "rank": v.rank,
+        "op": v.op,
         "type": "AuditViolation",
-        "text": f"VIOLATION {f.rule} {f.pool}/{f.role}",
-        "detail": f.detail,
+        "text": f"VIOLATION {v.rule} {v.pool}/{v.role}",
+        "detail": v.detail,
     }
 
 
 # ------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
-    from ..events.audit import audit
+    from ..events.audit import Auditor, audited
+    from ..events.state import PoolLimits
 
     res = read_log(args.logs)
     for t in res.torn_lines:
         where = escape_text(t.file, markup=False)
         print(f"hicache-obs: warning: {where}:{t.line}: torn last line skipped", file=sys.stderr)
     events = res.events
-    findings = audit(events)
-    views = _select(op_views(events, findings), args)
+    auditor = Auditor(limits=PoolLimits())  # as ``audit`` holds a log read back
+    stream = list(audited(events, auditor=auditor))  # the log's own violations replaced by the rules'
+    views = _select(op_views(events, auditor.findings), args)
     if args.timeline:
         keep = {(v["rank"], v["op"]) for v in views}
         unfiltered = args.op is None and args.pool is None and not args.violations_only and args.rank is None
-        lines = timeline(events, findings, None if unfiltered else keep, args.pool)
+        lines = timeline(stream, None if unfiltered else keep, args.pool)
         if args.limit is not None:
             lines = lines[: args.limit]
         if args.json:

@@ -18,6 +18,9 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 Live: ``Auditor().attach(log)`` subscribes and appends an ``AuditViolation``
 event per finding. Offline: feed events with :meth:`Auditor.feed`, then
 :meth:`Auditor.finish`. Both produce the same findings for the same log.
+:func:`audited` gives a log with the verdicts in place: each ``AuditViolation``
+right before the event that revealed it, whatever the log held (violations logged
+after that event, before it, or none); :func:`audit_batch` is its step over one list.
 The per-event cost is one dict lookup for events no rule looks at. No event costs
 more than O(log n) besides the slots it names: the slots of the ops in flight are
 indexed (:class:`_InUse`) once there are more than a few of them, so a free is checked
@@ -31,9 +34,11 @@ An auditor of a log read back (``Auditor(limits=PoolLimits())``, what :func:`aud
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
+from itertools import islice as _islice
+from operator import attrgetter
 from typing import Any
 
 from .._native import runs_of as _runs_of
@@ -66,9 +71,10 @@ from .state import (
 )
 
 _NO_PLAN = (None, None)
+_rank_of = attrgetter("rank")
 _fold_slots_freed = HANDLERS[SlotsFreed]  # CacheState's fold of a free: returns the slots not allocated
 
-__all__ = ["RULES", "Finding", "Auditor", "audit"]
+__all__ = ["RULES", "Finding", "Auditor", "audit", "audited", "audit_batch"]
 
 RULES = (
     "unrecorded_index",
@@ -660,7 +666,6 @@ class Auditor:
             self._leaves(ev.op, f, r)
 
 
-
 def _merged_runs(runs: Runs, k: int) -> list[tuple[int, int]]:
     """The first ``k`` runs of the slots ``runs`` names, sorted, adjacent runs joined."""
     starts, ends = _disjoint(_spans(runs))
@@ -673,3 +678,63 @@ def audit(events: Iterable[Event]) -> list[Finding]:
     a = Auditor(limits=PoolLimits())
     a.feed(events)
     return a.finish()
+
+
+def audit_batch(batch: Sequence[Event], auditor: Auditor) -> list[Event]:
+    """``batch`` audited by ``auditor``: the ``AuditViolation`` events it holds dropped, and
+    one for each new finding placed right before the event that revealed it, with that
+    event's ``seq`` and ``ts_ns``.
+
+    Feed a log's batches in order to one auditor that no log emits through; findings it
+    made before this call count as placed already. The end-of-log findings come from
+    :meth:`Auditor.finish` (:func:`audited` places them).
+    """
+    out: list[Event] = []
+    append = out.append
+    handle = auditor.handle
+    found = auditor.findings
+    seen = len(found)
+    for ev in batch:  # one handle() per event: no generator frame, no call besides it
+        if type(ev) is AuditViolation:
+            continue  # a verdict of the log's own auditor: this one's replace it
+        handle(ev)
+        if len(found) > seen:
+            seq, ts_ns = ev.seq, ev.ts_ns
+            for f in found[seen:]:
+                append(f.to_event(seq=seq, ts_ns=ts_ns))
+            seen = len(found)
+        append(ev)
+    return out
+
+
+#: Events :func:`audited` takes from its input at a time.
+AUDITED_CHUNK = 4096
+
+
+def audited(events: Iterable[Event], *, auditor: Auditor | None = None) -> Iterator[Event]:
+    """A readable log with the verdicts in place: its own ``AuditViolation`` events dropped,
+    the auditor's placed right before the event that revealed each (with that event's
+    ``seq`` and ``ts_ns``), and the end-of-log findings (``incomplete_operation``) last,
+    each with the ``seq`` and ``ts_ns`` of the last event of its rank.
+
+    So a log whose violations were logged after the events that revealed them, one whose
+    violations come before them and one without any give the same stream. ``auditor``
+    (default: a fresh ``Auditor(limits=PoolLimits())``, as :func:`audit` uses) must be
+    new and emit into no log; after the stream is read, its ``findings`` are the log's.
+    """
+    a = Auditor(limits=PoolLimits()) if auditor is None else auditor
+    it = iter(events)
+    last: dict[int, Event] = {}  # rank -> its last event
+    while True:
+        chunk = list(_islice(it, AUDITED_CHUNK))
+        if not chunk:
+            break
+        out = audit_batch(chunk, a)
+        # a rank's last event here is never a violation (each comes before its event's)
+        last.update(zip(map(_rank_of, out), out))  # at C speed: no Python frame per event
+        yield from out
+    n = len(a.findings)
+    a.finish()
+    for f in a.findings[n:]:
+        end = last[f.rank]  # a finding's rank has had an event
+        yield f.to_event(seq=end.seq, ts_ns=end.ts_ns)
