@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from .._native import SlotMap  # compiled or its pure twin (hicache_obs._native)
 from .._native import runs_of as _runs_of
 from ..errors import LogLimitError
+from .lifecycle import OpLifecycles, OpRecord
 from .schema import (
     D2H,
     H2D,
@@ -387,20 +388,37 @@ class SlotTable(SlotMap):
         }
 
 
-@dataclass
-class OpState:
-    op: int
-    direction: str
-    node_ids: tuple[int, ...]
-    priority: int
-    slots_by_pool: tuple[tuple[str, int], ...]
-    status: str = "queued"  # queued -> merged -> submitted -> completed | failed
-    queued_ns: int = 0
-    submitted_ns: int = 0
-    producer_id: int = -1
+#: An op's record in :attr:`CacheState.ops`: the op lifecycle's record (the name of old).
+OpState = OpRecord
 
-    def snapshot(self) -> tuple[Any, ...]:
-        return (self.op, self.direction, self.node_ids, self.priority, self.slots_by_pool, self.status, self.producer_id)
+
+class _OpsView(Mapping[int, OpRecord]):
+    """The ops of one rank not finished yet, by op id: a read-only view of the records of
+    a live :class:`~hicache_obs.events.lifecycle.OpLifecycles`."""
+
+    __slots__ = ("_records",)
+
+    def __init__(self, records: dict[tuple[int, int], OpRecord]) -> None:
+        self._records = records
+
+    def _rank(self) -> int:
+        records = self._records
+        return next(iter(records))[0] if records else 0  # one log, one rank: the first record's
+
+    def __getitem__(self, op: int) -> OpRecord:
+        return self._records[(self._rank(), op)]
+
+    def __contains__(self, op: object) -> bool:
+        return (self._rank(), op) in self._records
+
+    def __iter__(self) -> Iterator[int]:
+        return (rank_op[1] for rank_op in self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __repr__(self) -> str:
+        return f"{{{', '.join(f'{op}: {rec.snapshot()!r}' for (_, op), rec in self._records.items())}}}"
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -438,7 +456,6 @@ class CacheState:
     tables: dict[tuple[str, str], SlotTable] = field(default_factory=dict)
     queues: dict[str, OpQueue] = field(default_factory=lambda: {D2H: OpQueue(), H2D: OpQueue()})
     acks: dict[str, OpQueue] = field(default_factory=lambda: {D2H: OpQueue(), H2D: OpQueue()})
-    ops: dict[int, OpState] = field(default_factory=dict)
     completed: dict[str, int] = field(default_factory=lambda: {D2H: 0, H2D: 0})
     failed: dict[str, int] = field(default_factory=lambda: {D2H: 0, H2D: 0})
     allocation_failures: int = 0
@@ -446,6 +463,19 @@ class CacheState:
     last_seq: int = -1
     #: set by a reader of a log (replay, the offline audit): what its pools may hold
     limits: PoolLimits | None = field(default=None, repr=False, compare=False)
+    #: the ops not finished yet: the live op lifecycle of the log, without moves and records
+    #: (its merge anomalies go to :attr:`anomalies`, in log order with the others)
+    lifecycles: OpLifecycles = field(
+        default_factory=lambda: OpLifecycles(keep=False, detail=False), repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self.lifecycles.anomalies = self.anomalies
+
+    @property
+    def ops(self) -> Mapping[int, OpRecord]:
+        """``{op: record}`` of the ops queued, merged or submitted and not finished (read only)."""
+        return _OpsView(self.lifecycles.records)
 
     def table(self, pool: str, tier: str) -> SlotTable:
         return self.tables[(pool, tier)]
@@ -520,52 +550,22 @@ class CacheState:
     def _allocation_failed(self, ev: AllocationFailed) -> None:
         self.allocation_failures += 1
 
+    # the op events: the queues and acks (FIFO orders of op ids) here, the records in the lifecycles
     @_folds(OperationQueued)
     def _queued(self, ev: OperationQueued) -> None:
         self.queues[ev.direction].append(ev.op)
-        self.ops[ev.op] = OpState(ev.op, ev.direction, (ev.node_id,), ev.priority, ev.slots_by_pool, queued_ns=ev.ts_ns)
+        self.lifecycles.apply(ev)
 
     @_folds(OperationsMerged)
     def _merged(self, ev: OperationsMerged) -> None:
         q = self.queues[ev.direction]
         for o in ev.merged_ops:
             q.discard(o)
-        sources = [self.ops.get(o) for o in ev.merged_ops]
-        if len(ev.merged_ops) == 1 and ev.merged_ops[0] == ev.op and sources[0] is not None:
-            sources[0].status = "merged"
-            return
-        slots: dict[str, int] = {}
-        node_ids: list[int] = []
-        prio = None
-        queued_ns = 0
-        for o in ev.merged_ops:
-            s = self.ops.pop(o, None)
-            if s is None:
-                self.anomalies.append((ev.seq, "merge_unknown_op", str(o)))
-                continue
-            node_ids.extend(s.node_ids)
-            for pool, n in s.slots_by_pool:
-                slots[pool] = slots.get(pool, 0) + n
-            prio = s.priority if prio is None else min(prio, s.priority)
-            queued_ns = s.queued_ns if not queued_ns else min(queued_ns, s.queued_ns)
-        self.ops[ev.op] = OpState(
-            ev.op,
-            ev.direction,
-            tuple(ev.node_ids) if ev.node_ids else tuple(node_ids),
-            prio if prio is not None else ev.op,
-            tuple(slots.items()),
-            status="merged",
-            queued_ns=queued_ns,
-        )
+        self.lifecycles.apply(ev)
 
     @_folds(TransferSubmitted)
     def _submitted(self, ev: TransferSubmitted) -> None:
-        s = self.ops.get(ev.op)
-        if s is None:
-            s = self.ops[ev.op] = OpState(ev.op, ev.direction, (), ev.op, ev.slots_by_pool)
-        s.status = "submitted"
-        s.submitted_ns = ev.ts_ns
-        s.producer_id = ev.producer_id
+        self.lifecycles.apply(ev)
         self.acks[ev.direction].append(ev.op)
 
     def _finished(self, ev: TransferCompleted | TransferFailed, ok: bool) -> None:
@@ -576,7 +576,7 @@ class CacheState:
             self.anomalies.append((ev.seq, "ack_out_of_order", str(ev.op)))
         else:
             self.anomalies.append((ev.seq, "ack_unknown_op", str(ev.op)))
-        self.ops.pop(ev.op, None)
+        self.lifecycles.apply(ev)
         if ok:
             self.completed[ev.direction] += 1
         else:
@@ -597,7 +597,7 @@ class CacheState:
             "tables": {f"{p}/{t}": tab.snapshot() for (p, t), tab in sorted(self.tables.items())},
             "queues": {d: tuple(q) for d, q in self.queues.items()},
             "acks": {d: tuple(a) for d, a in self.acks.items()},
-            "ops": {o: s.snapshot() for o, s in sorted(self.ops.items())},
+            "ops": {op: rec.snapshot() for (_, op), rec in sorted(self.lifecycles.records.items())},
             "completed": dict(self.completed),
             "failed": dict(self.failed),
             "allocation_failures": self.allocation_failures,
@@ -611,4 +611,3 @@ def fold(events: Iterable[Event], limits: PoolLimits | None = None) -> CacheStat
     for ev in events:
         state.apply(ev)
     return state
-
