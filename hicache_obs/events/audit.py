@@ -21,7 +21,11 @@ event per finding. Offline: feed events with :meth:`Auditor.feed`, then
 :func:`audited` gives a log with the verdicts in place: each ``AuditViolation``
 right before the event that revealed it, whatever the log held (violations logged
 after that event, before it, or none); :func:`audit_batch` is its step over one list.
-The per-event cost is one dict lookup for events no rule looks at. No event costs
+What the rules know of an op in flight (the index tensors still to be recorded on its
+stream, the slots it uses) is the ``evidence`` of its record in the op lifecycle
+(:class:`~hicache_obs.events.lifecycle.OpLifecycles`): with ``fold_state=True`` the
+bookkeeping's own, so one fold serves replay and audit; else the auditor's, fed the
+submissions and ends. The per-event cost is one dict lookup for events no rule looks at. No event costs
 more than O(log n) besides the slots it names: the slots of the ops in flight are
 indexed (:class:`_InUse`) once there are more than a few of them, so a free is checked
 against all of them without a scan.
@@ -42,11 +46,13 @@ from operator import attrgetter
 from typing import Any
 
 from .._native import runs_of as _runs_of
+from .lifecycle import OpLifecycles, OpRecord
 from .schema import (
     EVENT_TYPES,
     AuditViolation,
     Event,
     IndicesMoved,
+    OperationsMerged,
     PoolCreated,
     Runs,
     SlotsAllocated,
@@ -71,6 +77,9 @@ from .state import (
 )
 
 _NO_PLAN = (None, None)
+_FOLD_END = {cls: HANDLERS[cls] for cls in (TransferCompleted, TransferFailed)}  # CacheState's fold of an op's end
+_FOLD_MERGED = HANDLERS[OperationsMerged]
+_op_of = attrgetter("op")
 _rank_of = attrgetter("rank")
 _fold_slots_freed = HANDLERS[SlotsFreed]  # CacheState's fold of a free: returns the slots not allocated
 
@@ -126,11 +135,11 @@ class Finding:
 
 
 @dataclass(slots=True)
-class _InFlight:
-    direction: str
-    stream: str
-    submit_seq: int
-    # (pool, role) -> device of the index tensor that still needs a record on `stream`
+class _Evidence:
+    """What the rules keep about an op in flight, in its record's ``evidence`` slot (its
+    direction, stream and submission are the record's ``submit``)."""
+
+    # (pool, role) -> device of the index tensor that still needs a record on the op's stream
     needs_record: dict[tuple[str, str], str]
     # (pool, tier) -> the slots the transfer reads or writes, where their values are known,
     # as :data:`Spans`; a pool tier leaves once a free took them
@@ -311,19 +320,33 @@ class _InUse:
 
 
 class _RankAudit:
-    __slots__ = ("in_use", "inflight", "moved", "side_moves", "state", "tables")
+    __slots__ = ("in_use", "lifecycles", "moved", "orphans", "side_moves", "state", "tables")
 
     def __init__(self, fold_state: bool, limits: PoolLimits | None = None) -> None:
         # with a full CacheState the auditor's fold is also the replay's bookkeeping
         self.state = CacheState(limits=limits) if fold_state else None
         self.tables: dict[tuple[str, str], Any] = self.state.tables if self.state is not None else {}
-        self.inflight: dict[int, _InFlight] = {}
+        # the ops: the bookkeeping's lifecycle in fold mode; else the auditor's own, fed the
+        # submissions and ends only; the evidence of an op in flight is its record's
+        self.lifecycles: OpLifecycles = (
+            self.state.lifecycles if self.state is not None else OpLifecycles(keep=False, detail=False)
+        )
+        # fold mode: ops in flight whose record the lifecycle forgot, merged into another op
+        # (a log no controller writes): their transfers still run, so the rules keep them
+        self.orphans: dict[int, OpRecord] = {}
         # (pool, tier) -> the in-flight ops that use its slots
         self.in_use: dict[tuple[str, str], _InUse] = {}
         # values of index tensors moved from the CPU, by (op, pool, role), until submission
         self.moved: dict[tuple[int, str, str], Runs] = {}
         # op -> (pool, role) -> stream on which a pool's copy moved those indices to the device itself
         self.side_moves: dict[int, dict[tuple[str, str], str]] = {}
+
+    def record(self, rank: int, op: int) -> OpRecord | None:
+        """The record of ``op`` that holds its evidence, if it is in flight (else any record of it)."""
+        rec = self.lifecycles.records.get((rank, op))
+        if (rec is None or rec.evidence is None) and self.orphans:
+            rec = self.orphans.get(op, rec)
+        return rec
 
 
 class Auditor:
@@ -358,6 +381,10 @@ class Auditor:
             rule = None if cls in (PoolCreated, SlotsAllocated) else self._handlers.get(cls)
             self._plan[cls] = (fold, rule)
         self._plan[SlotsFreed] = (None, self._fold_freed)
+        # an op's end: its rule reads the evidence, then folds the end (which forgets the record)
+        self._plan[TransferCompleted] = (None, self._completed)
+        self._plan[TransferFailed] = (None, self._failed)
+        self._plan[OperationsMerged] = (None, self._fold_merged)
 
     # ---------------------------------------------------------------- wiring
     def attach(self, log: Any) -> Auditor:
@@ -433,17 +460,19 @@ class Auditor:
         """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent."""
         if not self._finished:
             for rank, r in sorted(self._ranks.items()):
-                for op, f in sorted(r.inflight.items()):
+                for rec in sorted([*r.lifecycles.in_flight(rank), *r.orphans.values()], key=_op_of):
+                    sub = rec.submit
+                    assert sub is not None  # in flight: submitted
                     self._report(
                         "incomplete_operation",
                         "*",
                         "*",
-                        op,
+                        rec.op,
                         rank,
-                        f"op {op} ({f.direction}) was submitted on stream {f.stream!r} at seq {f.submit_seq} "
+                        f"op {rec.op} ({sub.direction}) was submitted on stream {sub.stream!r} at seq {sub.seq} "
                         "and never completed or failed",
-                        stream=f.stream,
-                        direction=f.direction,
+                        stream=sub.stream,
+                        direction=sub.direction,
                         seq=-1,
                     )
             self._finished = True  # after the reports: a live auditor logs these too
@@ -503,8 +532,10 @@ class Auditor:
             return  # the usual case
         freed = _spans(ev.indices)
         for op in hits:
-            f = r.inflight[op]
-            hit = _common(freed, f.spans.pop(key))
+            rec = r.record(ev.rank, op)
+            assert rec is not None and rec.submit is not None  # in use: in flight, with its record
+            sub = rec.submit
+            hit = _common(freed, rec.evidence.spans.pop(key))
             use.remove(op)
             self._report(
                 "slot_not_allocated",
@@ -513,15 +544,15 @@ class Auditor:
                 op,
                 ev.rank,
                 f"{ev.tier} slots {hit} of pool {ev.pool!r} were freed ({ev.reason}) while "
-                f"{f.direction} op {op} on stream {f.stream!r} still uses them (use after free)",
-                stream=f.stream,
-                direction=f.direction,
+                f"{sub.direction} op {op} on stream {sub.stream!r} still uses them (use after free)",
+                stream=sub.stream,
+                direction=sub.direction,
                 seq=ev.seq,
             )
         if not use.ops:
             del r.in_use[key]
 
-    def _leaves(self, op: int, f: _InFlight, r: _RankAudit) -> None:
+    def _leaves(self, op: int, f: _Evidence, r: _RankAudit) -> None:
         """``op`` is no longer in flight: its slots leave the index."""
         for key in f.spans:
             use = r.in_use.get(key)
@@ -621,11 +652,18 @@ class Auditor:
                     direction=ev.direction,
                     seq=ev.seq,
                 )
-        old = r.inflight.get(ev.op)
+        if r.state is None:  # the auditor's own lifecycle (in fold mode the bookkeeping folded it)
+            rec = r.lifecycles.apply(ev)[1]  # type: ignore[index]  # a submission's step
+        else:
+            rec = r.lifecycles.records.get((ev.rank, ev.op))
+        assert rec is not None  # a submission always leaves a record
+        old = rec.evidence
+        if old is None and r.orphans and ev.op in r.orphans:
+            old = r.orphans.pop(ev.op).evidence
         if old is not None:  # the same op submitted again while in flight: the new one counts
             self._leaves(ev.op, old, r)
         spans = {k: sp for k, sp in ((k, _spans(v)) for k, v in used.items()) if sp[0]}
-        r.inflight[ev.op] = _InFlight(ev.direction, ev.stream, ev.seq, needs, spans)
+        rec.evidence = _Evidence(needs, spans)
         for k, sp in spans.items():
             use = r.in_use.get(k)
             if use is None:
@@ -634,12 +672,36 @@ class Auditor:
             use.add(ev.op, sp)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
-        f = r.inflight.get(ev.op)
-        if f is not None and ev.stream == f.stream:
-            f.needs_record.pop((ev.pool, ev.role), None)
+        rec = r.record(ev.rank, ev.op)
+        if rec is not None and rec.evidence is not None and ev.stream == rec.submit.stream:  # type: ignore[union-attr]
+            rec.evidence.needs_record.pop((ev.pool, ev.role), None)
+
+    def _ended(self, ev: TransferCompleted | TransferFailed, r: _RankAudit) -> tuple[_Evidence | None, Any]:
+        """Fold the end of an op; returns its evidence and its ``TransferSubmitted`` (None, None:
+        it was not in flight)."""
+        rec = r.lifecycles.records.get((ev.rank, ev.op))  # before the fold forgets it
+        if (rec is None or rec.evidence is None) and r.orphans:
+            rec = r.orphans.pop(ev.op, rec)
+        f = rec.evidence if rec is not None else None
+        sub = rec.submit if f is not None else None  # type: ignore[union-attr]
+        if r.state is not None:
+            _FOLD_END[type(ev)](r.state, ev)
+        else:
+            r.lifecycles.apply(ev)
+        return f, sub
+
+    def _fold_merged(self, ev: OperationsMerged, r: _RankAudit) -> None:
+        """Fold mode: the bookkeeping's fold of a merge, keeping the sources in flight it forgets."""
+        lifecycles = r.lifecycles
+        for o in ev.merged_ops:
+            if o != ev.op:
+                rec = lifecycles.get(ev.rank, o)
+                if rec is not None and rec.evidence is not None:
+                    r.orphans[o] = rec
+        _FOLD_MERGED(r.state, ev)
 
     def _completed(self, ev: TransferCompleted, r: _RankAudit) -> None:
-        f = r.inflight.pop(ev.op, None)
+        f, sub = self._ended(ev, r)
         if f is None:
             return
         if f.spans:
@@ -651,17 +713,17 @@ class Auditor:
                 role,
                 ev.op,
                 ev.rank,
-                f"{role} index tensor of pool {pool!r} on {device} was used on stream {f.stream!r} "
+                f"{role} index tensor of pool {pool!r} on {device} was used on stream {sub.stream!r} "
                 f"without record_stream on that stream before op {ev.op} completed; the caching allocator "
                 "may hand its memory to another tensor while the copy still reads it",
-                stream=f.stream,
-                direction=f.direction,
+                stream=sub.stream,
+                direction=sub.direction,
                 seq=ev.seq,
             )
 
     def _failed(self, ev: TransferFailed, r: _RankAudit) -> None:
         # the rule that explains the failure was reported at submission
-        f = r.inflight.pop(ev.op, None)
+        f, _ = self._ended(ev, r)
         if f is not None and f.spans:
             self._leaves(ev.op, f, r)
 
