@@ -672,7 +672,9 @@ class Auditor:
             use.add(ev.op, sp)
 
     def _recorded(self, ev: StreamRecorded, r: _RankAudit) -> None:
-        rec = r.record(ev.rank, ev.op)
+        rec = r.lifecycles.records.get((ev.rank, ev.op))  # r.record(), inlined: one per stream record
+        if (rec is None or rec.evidence is None) and r.orphans:
+            rec = r.orphans.get(ev.op, rec)
         if rec is not None and rec.evidence is not None and ev.stream == rec.submit.stream:  # type: ignore[union-attr]
             rec.evidence.needs_record.pop((ev.pool, ev.role), None)
 
