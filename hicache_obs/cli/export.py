@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     for t in res.torn_lines:
         where = escape_text(t.file, markup=False)
         print(f"hicache-obs: warning: {where}:{t.line}: torn last line skipped", file=sys.stderr)
-    res.events = with_audit_findings(res.events)
+    from ..events.audit import audited
+
+    res.events = list(audited(res.events))  # the rules' verdicts, whatever the log holds
     if args.chrome_trace:
         from hicache_obs.exporters.chrome_trace import chrome_trace, write_chrome_trace
 
@@ -80,29 +82,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.otlp_json} (OTLP/JSON, {spans} spans)", file=sys.stderr)
     return EXIT_OK
 
-
-def with_audit_findings(events: list[Any]) -> list[Any]:
-    """The events plus an ``AuditViolation`` for every finding the log does not hold yet.
-
-    A log recorded without a live auditor still shows its violations in the exports,
-    as ``audit`` and ``inspect`` (which re-run the rules) show them.
-    """
-    from ..events.audit import audit
-    from ..events.schema import AuditViolation, TransferCompleted, TransferFailed
-
-    logged = {(e.rank, e.op, e.rule, e.pool, e.role) for e in events if isinstance(e, AuditViolation)}
-    missing = [f for f in audit(events) if (f.rank, f.op, f.rule, f.pool, f.role) not in logged]
-    if not missing:
-        return events
-    done = {(e.rank, e.op): e.ts_ns for e in events if isinstance(e, (TransferCompleted, TransferFailed))}
-    last: dict[int, Any] = {}
-    for e in events:
-        last[e.rank] = e
-    out = list(events)
-    next_seq = {rank: e.seq + 1 for rank, e in last.items()}
-    for f in missing:
-        seq = next_seq.get(f.rank, 0)
-        next_seq[f.rank] = seq + 1
-        ts = done.get((f.rank, f.op), last[f.rank].ts_ns if f.rank in last else 0)
-        out.append(f.to_event(seq=seq, ts_ns=ts))
-    return out
