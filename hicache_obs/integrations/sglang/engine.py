@@ -50,17 +50,15 @@ from ...core.runtime import Runtime
 from ...core.spec import ModelSpec, PlaneSpec
 from ...core.torch_compat import plain_tensor_calls
 from ...errors import ConfigError, IntegrationError
+from ...events.lifecycle import OpRecord
 from ...events.log import EventLog
 from ...events.schema import (
     D2H,
     H2D,
     Event,
-    OperationQueued,
-    OperationsMerged,
     SlotsAllocated,
     TransferCompleted,
     TransferFailed,
-    TransferSubmitted,
     expand_runs,
 )
 from ...events.state import CacheState
@@ -293,7 +291,9 @@ class SGLangEngine(HiCacheController):
         self.runtime = cast(Runtime, _Indices())
         self._closed = False
         self.state = CacheState()
-        self._op_events: dict[int, dict[type, Event]] = {}  # op -> its OperationQueued/Merged/Submitted
+        # op -> its lifecycle record, taken as the op finished in an SGLang call this engine
+        # observes (the fold forgets a finished op): what its Ack says
+        self._finished: dict[int, OpRecord] = {}
         self._capture: list[Event] | None = None  # events of the SGLang call in progress
         self._failed: dict[str, list[tuple[int, Ack]]] = {D2H: [], H2D: []}  # (seq, ack) not reaped yet
         self._unsubscribe: Callable[[], None] | None = log.subscribe(self._on_event, first=True)
@@ -326,14 +326,12 @@ class SGLangEngine(HiCacheController):
 
     # ------------------------------------------------------------ the log
     def _on_event(self, ev: Event) -> None:
+        if self._capture is not None and isinstance(ev, (TransferCompleted, TransferFailed)):
+            rec = self.state.ops.get(ev.op)
+            if rec is not None:
+                self._finished[ev.op] = rec
         if ev.seq > self.state.last_seq:
             self.state.apply(ev)
-        if isinstance(ev, (OperationQueued, OperationsMerged, TransferSubmitted)):
-            self._op_events.setdefault(ev.op, {})[type(ev)] = ev
-            if isinstance(ev, OperationsMerged):  # the merged op stands for its parts from here on
-                for part in ev.merged_ops:
-                    if part != ev.op:
-                        self._op_events.pop(part, None)
         if self._capture is not None:
             self._capture.append(ev)
 
@@ -347,16 +345,14 @@ class SGLangEngine(HiCacheController):
             self._capture = outer
 
     def _ack(self, op: int, direction: str, node_ids: Sequence[int], done: Event) -> Ack:
-        facts = self._op_events.pop(op, {})
-        sub = facts.get(TransferSubmitted)
-        queued = facts.get(OperationQueued)
+        rec = self._finished.pop(op, None)
         slots: tuple[tuple[str, int], ...] = ()
         nbytes: tuple[tuple[str, int], ...] = ()
         producer = -1
-        if isinstance(sub, TransferSubmitted):
-            slots, nbytes, producer = sub.slots_by_pool, sub.bytes_by_pool, sub.producer_id
-        elif isinstance(queued, OperationQueued):
-            slots = queued.slots_by_pool
+        if rec is not None and rec.submit is not None:
+            slots, nbytes, producer = rec.submit.slots_by_pool, rec.submit.bytes_by_pool, rec.submit.producer_id
+        elif rec is not None:  # failed before its submission: what it was queued (and merged) with
+            slots = rec.slots_by_pool
         nodes = tuple(int(n) for n in node_ids)
         if isinstance(done, TransferCompleted):
             return Ack(
@@ -374,8 +370,8 @@ class SGLangEngine(HiCacheController):
         if not failed:
             raise exc
         for ev in failed:
-            merged = self._op_events.get(ev.op, {}).get(OperationsMerged)
-            nodes = merged.node_ids if isinstance(merged, OperationsMerged) and merged.node_ids else node_ids
+            rec = self._finished.get(ev.op)
+            nodes = rec.node_ids if rec is not None and rec.node_ids else node_ids
             self._failed[direction].append((ev.seq, self._ack(ev.op, direction, nodes, ev)))
         return len(failed)
 
