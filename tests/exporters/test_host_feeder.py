@@ -86,11 +86,12 @@ def test_a_stalled_host_costs_counted_drops_and_the_producer_goes_on() -> None:
         assert st["dropped"] > 0 and st["errors"] == 0 and _balanced(st)
         assert host.queued_events <= 2000  # the bound held
         assert st["handled"] > 0  # what the pipe took before it filled
+        # the producer handed everything over: all that lags waits in the queue (read while
+        # the child is stopped and the pipe full, so nothing drains between the two reads)
+        assert feeder.lag() == host.queued_events > 0
     finally:
         os.kill(host.pid, signal.SIGCONT)
-    # the producer is idle and handed everything over: the watcher alone writes the
-    # queued frames as the child drains the pipe
-    assert feeder.lag() == host.queued_events > 0
+    # the producer is idle: the watcher alone writes the queued frames as the child drains the pipe
     assert _wait_until(lambda: host.queued_events == 0)
     assert feeder.flush()  # the child takes the rest and answers
     st = feeder.stats()
