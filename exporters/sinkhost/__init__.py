@@ -36,11 +36,14 @@ The sinks are described, not passed, as JSON-able dicts (the child builds them):
   (:func:`add_sink_host` does both, as ``open_store`` does).
 
 - ``{"sink": "audit"}``: the stream-safety auditor runs in the host instead of inline
-  in the controller's process. Its ``AuditViolation`` events reach the host's other sinks
-  right after the event that revealed them (metrics, span attributes and status, log
-  lines: the same as with an inline auditor), and the end-of-log findings at close. They
-  do not enter the parent's log, nor a ``jsonl`` store in the host (they have no ``seq``
-  of their own); ``hicache-obs audit`` finds them again in the stored log.
+  in the controller's process. The host's other sinks get the stream
+  :func:`~hicache_obs.events.audit.audited` gives offline: each ``AuditViolation`` right
+  before the event that revealed it, with that event's ``seq`` and time (metrics, span
+  attributes and status, log lines: the same as with an inline auditor), the end-of-log
+  findings at close, with the last event's. Violations the parent's log already holds (a
+  live auditor there too) are dropped, the host's replace them: none is counted twice.
+  They do not enter the parent's log, nor a ``jsonl`` store in the host (they have no
+  ``seq`` of their own); ``hicache-obs audit`` finds them again in the stored log.
 
 Bad specs raise :class:`~hicache_obs.errors.ConfigError` in the parent before any process
 starts; a child that cannot build its sinks makes the constructor raise with the child's

@@ -83,40 +83,31 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
 
 
 class HostAudit:
-    """The auditor in the host: its violations are inserted after the events that revealed them
-    (each with the revealing event's seq and time; the end-of-log ones with the last seq and
-    the time of the close)."""
+    """The auditor in the host: the batches as :func:`~hicache_obs.events.audit.audit_batch`
+    makes them, each violation right before the event that revealed it (with that event's seq
+    and time), and the log's own violations dropped (this auditor's replace them: none is
+    counted twice); the end-of-log ones, at close, with the seq and time of the last event."""
 
     def __init__(self) -> None:
-        from hicache_obs.events.audit import Auditor
+        from hicache_obs.events.audit import Auditor, audit_batch
 
         self.auditor = Auditor()
-        self._seen = 0  # findings already turned into events
+        self._audit_batch = audit_batch
         self._last: Any = None
 
-    def _new(self, seq: int, ts_ns: int) -> list[Any]:
-        found = self.auditor.findings
-        out = [f.to_event(seq=seq, ts_ns=ts_ns) for f in found[self._seen :]]
-        self._seen = len(found)
-        return out
-
     def run(self, batch: list[Any]) -> list[Any]:
-        out: list[Any] = []
-        handle, found = self.auditor.handle, self.auditor.findings
-        for ev in batch:
-            out.append(ev)
-            handle(ev)
-            if len(found) > self._seen:
-                out += self._new(ev.seq, ev.ts_ns)
         if batch:
             self._last = batch[-1]
-        return out
+        return self._audit_batch(batch, self.auditor)
 
     def finish(self) -> list[Any]:
         if self._last is None:
             return []
+        found = self.auditor.findings
+        seen = len(found)
         self.auditor.finish()
-        return self._new(self._last.seq, time.time_ns())
+        last = self._last
+        return [f.to_event(seq=last.seq, ts_ns=last.ts_ns) for f in found[seen:]]
 
 
 def feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[str, int]) -> None:

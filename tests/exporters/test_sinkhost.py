@@ -236,3 +236,51 @@ def test_a_hosted_store_is_named_after_the_rank_and_written_at_exit(tmp_path: Pa
     assert [p.name for p in (tmp_path / "log").iterdir()] == ["events-2-00000.jsonl"]
     stored = replay(tmp_path / "log")
     assert len(stored.events) == 5000 and stored.events[-1].requested == 4999 and stored.ranks == [2]
+
+
+def test_a_hosted_auditor_places_each_verdict_before_its_event_as_offline(controller: Any) -> None:
+    """The host's auditor gives its sinks the stream ``audited()`` gives offline: each violation
+    right before the event that revealed it, the end-of-log ones last, whatever the batches."""
+    from hicache_obs.events.audit import audited
+    from hicache_obs.exporters.sinkhost.child import HostAudit
+
+    c = controller("tiny_hybrid", fault="unrecorded-pool-indices", audit=False)
+    run_workload(c)
+    c.write(c.alloc_device(16), node_id=99)  # never polled: incomplete at the end of the log
+    events = c.log.events()
+    want = list(audited(events))
+    assert any(isinstance(e, AuditViolation) and e.rule == "unrecorded_index" for e in want)
+    for size in (1, 7, len(events)):
+        host = HostAudit()
+        got: list[Any] = []
+        for i in range(0, len(events), size):
+            got += host.run(events[i : i + size])
+        got += host.finish()
+        assert got == want, size
+    first = next(i for i, e in enumerate(want) if isinstance(e, AuditViolation))
+    assert want[first].seq == want[first + 1].seq and want[first].ts_ns == want[first + 1].ts_ns
+
+
+def test_a_parent_that_audits_and_a_hosted_auditor_count_each_violation_once(controller: Any, tmp_path: Path) -> None:
+    """A parent log that holds its live auditor's violations, fed to a host that audits too:
+    the host's verdicts replace the logged ones, so metrics and lines count each once."""
+    c = controller("tiny_hybrid", fault="unrecorded-pool-indices", audit=True)
+    lines_file = tmp_path / "lines.jsonl"
+    runner = add_sink_host(
+        c.log, [{"sink": "audit"}, {"sink": "prometheus"}, {"sink": "structlog", "file": str(lines_file)}]
+    )
+    run_workload(c)
+    c.log.flush()
+    logged = [e for e in c.log.events() if isinstance(e, AuditViolation)]
+    assert logged and any(e.rule == "unrecorded_index" for e in logged)
+    s = parse_exposition(scrape_text(f"http://127.0.0.1:{runner.sink.metrics_port}/metrics"))
+    unrecorded: dict[str, int] = {}
+    for e in logged:
+        if e.rule == "unrecorded_index":
+            unrecorded[e.pool] = unrecorded.get(e.pool, 0) + 1
+    for pool, n in unrecorded.items():
+        got = sum(v for (name, labels), v in s.items() if name == m.UNRECORDED_INDICES_TOTAL and ("pool", pool) in labels)
+        assert got == n, (pool, got, n)
+    c.log.close()
+    lines = [json.loads(x) for x in lines_file.read_text().splitlines()]
+    assert len([x for x in lines if x["event"] == "hicache.audit_violation"]) == len(logged)
