@@ -89,25 +89,21 @@ class HostAudit:
     counted twice); the end-of-log ones, at close, with the seq and time of the last event."""
 
     def __init__(self) -> None:
-        from hicache_obs.events.audit import Auditor, audit_batch
+        from hicache_obs.events.audit import Auditor, audit_batch, audit_end
 
         self.auditor = Auditor()
-        self._audit_batch = audit_batch
-        self._last: Any = None
+        self._audit_batch, self._audit_end = audit_batch, audit_end
+        self._last: dict[int, Any] = {}  # rank -> its last event (one log: one rank)
 
     def run(self, batch: list[Any]) -> list[Any]:
         if batch:
-            self._last = batch[-1]
+            self._last[batch[-1].rank] = batch[-1]
         return self._audit_batch(batch, self.auditor)
 
     def finish(self) -> list[Any]:
-        if self._last is None:
+        if not self._last:
             return []
-        found = self.auditor.findings
-        seen = len(found)
-        self.auditor.finish()
-        last = self._last
-        return [f.to_event(seq=last.seq, ts_ns=last.ts_ns) for f in found[seen:]]
+        return self._audit_end(self.auditor, self._last)
 
 
 def feed(sinks: list[Any], batch: list[Any], audited: list[Any], errors: dict[str, int]) -> None:

@@ -38,7 +38,7 @@ An auditor of a log read back (``Auditor(limits=PoolLimits())``, what :func:`aud
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import accumulate
 from itertools import islice as _islice
@@ -83,7 +83,7 @@ _op_of = attrgetter("op")
 _rank_of = attrgetter("rank")
 _fold_slots_freed = HANDLERS[SlotsFreed]  # CacheState's fold of a free: returns the slots not allocated
 
-__all__ = ["RULES", "Finding", "Auditor", "audit", "audited", "audit_batch"]
+__all__ = ["RULES", "Finding", "Auditor", "audit", "audited", "audit_batch", "audit_end"]
 
 RULES = (
     "unrecorded_index",
@@ -797,8 +797,16 @@ def audited(events: Iterable[Event], *, auditor: Auditor | None = None) -> Itera
         # a rank's last event here is never a violation (each comes before its event's)
         last.update(zip(map(_rank_of, out), out))  # at C speed: no Python frame per event
         yield from out
-    n = len(a.findings)
-    a.finish()
-    for f in a.findings[n:]:
-        end = last[f.rank]  # a finding's rank has had an event
-        yield f.to_event(seq=end.seq, ts_ns=end.ts_ns)
+    yield from audit_end(a, last)
+
+
+def audit_end(auditor: Auditor, last: Mapping[int, Event]) -> list[Event]:
+    """The end-of-log violations (:meth:`Auditor.finish`'s new findings), each with the ``seq``
+    and ``ts_ns`` of ``last[rank]``, its rank's last event (a finding's rank has had one)."""
+    n = len(auditor.findings)
+    auditor.finish()
+    out: list[Event] = []
+    for f in auditor.findings[n:]:
+        end = last[f.rank]
+        out.append(f.to_event(seq=end.seq, ts_ns=end.ts_ns))
+    return out
