@@ -16,6 +16,11 @@
  *     current one reached every subscriber; a BaseException (KeyboardInterrupt) is held
  *     until every queued event reached every subscriber, then raised (log order kept).
  *
+ * Stages (EventLog.add_stage; the list bound as `stages`): before the event is stored, each
+ * stage is called with it, in order (see run_stages); what they find goes to
+ * EventLog._place_findings, which stores the findings before the event and the event with
+ * the next seq. Without stages this costs one list-size test.
+ *
  * The lock is released on every path out. The header's keyword names are cached per
  * distinct tuple of field names (a bounded cache), so a call site costs one dict lookup.
  *
@@ -75,6 +80,7 @@ typedef struct {
     PyObject *subscribers; /* list */
     PyObject *blocking;    /* list of runners with wait_for_room() */
     PyObject *pending;     /* deque */
+    PyObject *stages;      /* list of stage(ev) -> findings, or NULL (see run_stages) */
     PyObject *acquire, *release;
     /* the hand-off (see the top); the long longs are read without the GIL by _wait_handoff */
     PyObject *handoff;           /* callable(start, events), or NULL */
@@ -99,7 +105,7 @@ static PyObject *names_cache;  /* tuple of field names -> the same + ("seq", "ts
 static PyObject *header_names; /* ("seq", "ts_ns", "rank") */
 static PyObject *str_seq, *str_rank;
 static PyObject *str_append, *str_acquire, *str_release, *str_wait_for_room, *str_failed, *str_popleft, *str_name,
-    *str_after_close;
+    *str_after_close, *str_place;
 
 static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->rank);
@@ -108,6 +114,7 @@ static int core_traverse(LogCore *self, visitproc visit, void *arg) {
     Py_VISIT(self->subscribers);
     Py_VISIT(self->blocking);
     Py_VISIT(self->pending);
+    Py_VISIT(self->stages);
     Py_VISIT(self->acquire);
     Py_VISIT(self->release);
     Py_VISIT(self->handoff);
@@ -122,6 +129,7 @@ static int core_clear(LogCore *self) {
     Py_CLEAR(self->subscribers);
     Py_CLEAR(self->blocking);
     Py_CLEAR(self->pending);
+    Py_CLEAR(self->stages);
     Py_CLEAR(self->acquire);
     STORE(self->handoff_on, 0);
     Py_CLEAR(self->handoff);
@@ -136,11 +144,16 @@ static void core_dealloc(LogCore *self) {
 }
 
 static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", NULL};
-    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO:_bind", kwlist, &PyList_Type, &ring, &events,
-                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock))
+    static char *kwlist[] = {"ring", "events", "subscribers", "blocking", "pending", "lock", "stages", NULL};
+    PyObject *ring, *events, *subscribers, *blocking, *pending, *lock, *stages = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!O!OO|O:_bind", kwlist, &PyList_Type, &ring, &events,
+                                     &PyList_Type, &subscribers, &PyList_Type, &blocking, &pending, &lock, &stages))
         return NULL;
+    if (stages != Py_None && !PyList_Check(stages)) {
+        PyErr_Format(PyExc_TypeError, "_bind() argument 'stages' must be list or None, not %.100s",
+                     Py_TYPE(stages)->tp_name);
+        return NULL;
+    }
     if (self->dispatching || self->handoff_busy) {
         PyErr_SetString(PyExc_RuntimeError, "_bind() while the log delivers events");
         return NULL;
@@ -170,6 +183,12 @@ static PyObject *core_bind(LogCore *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->blocking, blocking);
     Py_INCREF(pending);
     Py_XSETREF(self->pending, pending);
+    if (stages == Py_None)
+        Py_CLEAR(self->stages);
+    else {
+        Py_INCREF(stages);
+        Py_XSETREF(self->stages, stages);
+    }
     Py_RETURN_NONE;
 }
 
@@ -502,6 +521,75 @@ static int stamped(PyObject *ev, long long seq) {
     return -1;
 }
 
+/* Run the log's stages on `ev` (built with seq `seq`, not stored; the lock held). A stage
+ * that raises an Exception is reported to _subscriber_failed(stage, ev, exc) and the event
+ * goes on; anything else it raises is returned as an error (nothing stored). What the
+ * stages found, [(stage, findings), ...] for each that returned something true, goes to
+ * EventLog._place_findings(ev, found), which stores the findings and then the event
+ * (re-stamped) and returns it: *out is then the stored event (a new reference). Returns
+ * 1 when the stages found nothing (the caller stores ev), 0 when _place_findings stored
+ * it, -1 on error. A stage that emitted into the log is an error: the seqs moved. */
+static int run_stages(LogCore *self, PyObject *ev, long long seq, PyObject **out) {
+    PyObject *found = NULL;
+    for (Py_ssize_t i = 0; self->stages && i < PyList_GET_SIZE(self->stages); i++) {
+        PyObject *stage = PyList_GET_ITEM(self->stages, i);
+        Py_INCREF(stage);
+        PyObject *r = PyObject_CallOneArg(stage, ev);
+        if (!r) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+                Py_DECREF(stage);
+                Py_XDECREF(found);
+                return -1;
+            }
+            PyObject *t, *v, *tb;
+            PyErr_Fetch(&t, &v, &tb);
+            PyErr_NormalizeException(&t, &v, &tb);
+            if (tb)
+                PyException_SetTraceback(v, tb);
+            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, stage, ev, v, NULL);
+            Py_XDECREF(t);
+            Py_XDECREF(v);
+            Py_XDECREF(tb);
+            if (!r) {
+                Py_DECREF(stage);
+                Py_XDECREF(found);
+                return -1;
+            }
+            Py_DECREF(r);
+            Py_DECREF(stage);
+            continue;
+        }
+        int truth = r == Py_None ? 0 : PyObject_IsTrue(r);
+        if (truth > 0) {
+            PyObject *pair = PyTuple_Pack(2, stage, r);
+            if (!found)
+                found = PyList_New(0);
+            if (!pair || !found || PyList_Append(found, pair) < 0)
+                truth = -1;
+            Py_XDECREF(pair);
+        }
+        Py_DECREF(r);
+        Py_DECREF(stage);
+        if (truth < 0) {
+            Py_XDECREF(found);
+            return -1;
+        }
+    }
+    if (self->seq != seq) {
+        Py_XDECREF(found);
+        PyErr_Format(PyExc_RuntimeError,
+                     "emit(): a stage emitted into the log while it looked at %.100s seq %lld; a stage returns its "
+                     "findings instead. This event is not appended",
+                     Py_TYPE(ev)->tp_name, seq);
+        return -1;
+    }
+    if (!found)
+        return 1;
+    *out = PyObject_CallMethodObjArgs((PyObject *)self, str_place, ev, found, NULL);
+    Py_DECREF(found);
+    return *out ? 0 : -1;
+}
+
 static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs != 1) {
@@ -574,6 +662,16 @@ static PyObject *core_emit(LogCore *self, PyObject *const *args, size_t nargsf, 
         Py_CLEAR(ev);
         unlock(self);
         goto out;
+    }
+    if (self->stages && PyList_GET_SIZE(self->stages) > 0) {
+        PyObject *stored = NULL;
+        int st = run_stages(self, ev, seq, &stored);
+        if (st <= 0) { /* stored by _place_findings (findings first), or an error: nothing more here */
+            Py_SETREF(ev, stored);
+            if (unlock(self) < 0) /* keeps the error of run_stages, if any */
+                Py_CLEAR(ev);
+            goto out;
+        }
     }
     self->seq = seq + 1;
     if (publish(self, ev, seq) < 0)
@@ -728,7 +826,8 @@ static PyMethodDef core_methods[] = {
     {"_publish", (PyCFunction)core_publish, METH_O,
      "Store and deliver an event whose seq the caller (EventLog.append, holding the lock) just spent."},
     {"_bind", (PyCFunction)(void (*)(void))core_bind, METH_VARARGS | METH_KEYWORDS,
-     "Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque and lock."},
+     "Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque, lock and "
+     "(optional) stages."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -886,8 +985,9 @@ PyMODINIT_FUNC PyInit__logcore(void) {
     str_popleft = PyUnicode_InternFromString("popleft");
     str_name = PyUnicode_InternFromString("__name__");
     str_after_close = PyUnicode_InternFromString("_appended_after_close");
+    str_place = PyUnicode_InternFromString("_place_findings");
     if (!names_cache || !header_names || !str_append || !str_acquire || !str_release || !str_wait_for_room ||
-        !str_failed || !str_popleft || !str_name || !str_after_close)
+        !str_failed || !str_popleft || !str_name || !str_after_close || !str_place)
         return NULL;
     if (PyType_Ready(&LogCoreType) < 0)
         return NULL;

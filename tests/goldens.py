@@ -1,4 +1,5 @@
-"""The golden files of the committed v1 log fixture, for the tests that compare with them.
+"""The golden files of the committed log fixtures (one per format version), for the tests
+that compare with them.
 
 ``HICACHE_REGENERATE_GOLDENS=1`` makes :func:`check_golden` write what it was given
 instead of comparing (then review ``git diff tests/data/logs/golden/``).
@@ -15,12 +16,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read
 GOLDEN = REPO / "tests/data/logs/golden/v1"
+FIXTURE_V2 = "tests/data/logs/v2"
 REGENERATE = os.environ.get("HICACHE_REGENERATE_GOLDENS") == "1"
 
 
-def check_golden(name: str, got: bytes) -> None:
-    """``got`` equals the golden file ``name`` byte for byte (or becomes it, when regenerating)."""
-    path = GOLDEN / name
+def check_golden(name: str, got: bytes, *, version: int = 1) -> None:
+    """``got`` equals the golden file ``name`` of the version's fixture byte for byte (or
+    becomes it, when regenerating)."""
+    path = REPO / f"tests/data/logs/golden/v{version}" / name
     if REGENERATE:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(got)

@@ -15,6 +15,13 @@ The same contract as the C module, error messages included
   event emitted while subscribers run waits in ``pending`` and is delivered after the
   current one reached every subscriber; a ``BaseException`` is held until everything
   queued was delivered, then raised. The lock is released on every path out.
+- Stages (the ``stages`` list bound, when not None): before the event is stored, each
+  stage is called with it in order; one that raises an ``Exception`` goes to
+  ``_subscriber_failed(stage, ev, exc)`` and the event goes on, anything else it raises
+  leaves the event unstored (no seq spent); a stage that emitted is a ``RuntimeError``;
+  what they found, ``[(stage, findings), ...]`` for each that returned something true,
+  goes to ``_place_findings(ev, found)``, which stores the findings and then the event
+  and returns the event stored (what ``emit`` returns).
 - Hand-off (feeders): the outermost publish calls ``handoff(start, events)`` with the
   ring's events ``[handoff_next, published)`` once ``batch`` wait or ``interval`` passed
   since the last hand-off (monotonic clock: the module-level ``_now``, which tests may
@@ -79,6 +86,7 @@ class LogCore:
     _c_subscribers: list[Any] = []  # replaced by _bind, never mutated here
     _c_blocking: list[Any] = []
     _c_pending: Any = None
+    _c_stages: list[Any] | None = None
     _c_acquire: Any = None
     _c_release: Any = None
     _c_handoff: Any = None
@@ -146,11 +154,15 @@ class LogCore:
         blocking: list[Any],
         pending: Any,
         lock: Any,
+        stages: list[Any] | None = None,
     ) -> None:
-        """Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque and lock."""
+        """Give the core the log's ring, retained deque, subscribers, blocking runners, pending deque, lock and
+        (optional) stages."""
         for position, v in ((1, ring), (3, subscribers), (4, blocking)):
             if not isinstance(v, list):
                 raise TypeError(f"_bind() argument {position} must be list, not {type(v).__name__}")
+        if stages is not None and not isinstance(stages, list):
+            raise TypeError(f"_bind() argument 'stages' must be list or None, not {type(stages).__name__:.100}")
         if self._c_dispatching or self._c_handoff_busy:
             raise RuntimeError("_bind() while the log delivers events")
         n = len(ring)
@@ -166,6 +178,7 @@ class LogCore:
         self._c_subscribers = subscribers
         self._c_blocking = blocking
         self._c_pending = pending
+        self._c_stages = stages
 
     def _ring_ok(self) -> list[Any]:
         ring = self._c_ring
@@ -212,6 +225,13 @@ class LogCore:
                     f"emit(): the event class returned {type(ev).__name__:.100} whose seq is {got!r}, not the seq "
                     f"{seq} it was given; it is not appended (no seq spent)"
                 )
+            stages = self._c_stages
+            if stages is not None and len(stages) > 0:
+                stored = self._run_stages(ev, seq)
+                if stored is not None:  # _place_findings stored the findings, then the event
+                    ev = stored
+                    release()
+                    return ev
             self._c_seq = seq + 1
             self._store(ev, seq)
         except BaseException:
@@ -222,6 +242,33 @@ class LogCore:
             raise
         release()
         return ev
+
+    def _run_stages(self, ev: Any, seq: int) -> Any:
+        """The stages on ``ev`` (built with ``seq``, not stored): None when they found nothing,
+        else the event ``_place_findings`` stored."""
+        found: list[tuple[Any, Any]] | None = None
+        stages = self._c_stages
+        i = 0
+        while stages is not None and i < len(stages):
+            stage = stages[i]
+            i += 1
+            try:
+                r = stage(ev)
+            except Exception as exc:
+                self._subscriber_failed(stage, ev, exc)  # type: ignore[attr-defined]
+                continue
+            if r is not None and r:
+                if found is None:
+                    found = []
+                found.append((stage, r))
+        if self._c_seq != seq:
+            raise RuntimeError(
+                f"emit(): a stage emitted into the log while it looked at {type(ev).__name__:.100} seq {seq}; "
+                "a stage returns its findings instead. This event is not appended"
+            )
+        if found is None:
+            return None
+        return self._place_findings(ev, found)  # type: ignore[attr-defined]
 
     def _publish(self, ev: Any, /) -> None:
         """Store and deliver an event whose seq the caller (EventLog.append, holding the lock) just spent."""

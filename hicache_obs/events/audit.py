@@ -15,9 +15,12 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 - ``double_free``: slots freed that were already free;
 - ``incomplete_operation``: an op submitted but never completed or failed, at log end.
 
-Live: ``Auditor().attach(log)`` subscribes and appends an ``AuditViolation``
-event per finding. Offline: feed events with :meth:`Auditor.feed`, then
-:meth:`Auditor.finish`. Both produce the same findings for the same log.
+Live: ``Auditor().attach(log)`` is a stage of the log (``EventLog.add_stage``): it sees
+each event before it is stored, and each finding becomes an ``AuditViolation`` stored
+right before the event that revealed it; the end-of-log findings are logged at
+:meth:`Auditor.finish` (or the log's ``close()``). Offline: feed events with
+:meth:`Auditor.feed`, then :meth:`Auditor.finish`. Both produce the same findings for
+the same log, with the seq of the revealing event as the log holds it.
 :func:`audited` gives a log with the verdicts in place: each ``AuditViolation``
 right before the event that revealed it, whatever the log held (violations logged
 after that event, before it, or none); :func:`audit_batch` is its step over one list.
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import accumulate
 from itertools import islice as _islice
 from operator import attrgetter
@@ -83,7 +86,7 @@ _op_of = attrgetter("op")
 _rank_of = attrgetter("rank")
 _fold_slots_freed = HANDLERS[SlotsFreed]  # CacheState's fold of a free: returns the slots not allocated
 
-__all__ = ["RULES", "Finding", "Auditor", "audit", "audited", "audit_batch", "audit_end"]
+__all__ = ["RULES", "Finding", "Auditor", "AuditStage", "audit", "audited", "audit_batch", "audit_end"]
 
 RULES = (
     "unrecorded_index",
@@ -364,6 +367,7 @@ class Auditor:
         self.findings: list[Finding] = []
         self._ranks: dict[int, _RankAudit] = {}
         self._emit = emit
+        self._log: Any = None  # the log this auditor is a stage of (attach)
         self._finished = False
         self._handlers: dict[type, Callable[[Any, _RankAudit], None]] = {
             PoolCreated: self._pool_created,
@@ -388,12 +392,19 @@ class Auditor:
 
     # ---------------------------------------------------------------- wiring
     def attach(self, log: Any) -> Auditor:
-        """Audit ``log`` live: subscribe, and append an ``AuditViolation`` per finding.
+        """Audit ``log`` live, as a stage of it (:class:`AuditStage`): each finding is stored
+        as an ``AuditViolation`` right before the event that revealed it.
 
-        Events the log already holds (a controller's ``PoolCreated``) are audited first.
+        Events the log already holds (a controller's ``PoolCreated``) are audited first
+        (what they reveal is logged after them: they are out already). An auditor audits
+        one log, once.
         """
-        self._emit = log.emit
-        log.subscribe(self.handle, backfill=True)
+        from ..errors import ConfigError
+
+        if self._log is not None or self._emit is not None:
+            raise ConfigError("Auditor.attach: this auditor already reports into a log; make one auditor per log")
+        self._log = log
+        log.add_stage(AuditStage(self), backfill=True)
         return self
 
     def feed(self, events: Iterable[Event]) -> Auditor:
@@ -452,13 +463,21 @@ class Auditor:
         h(ev, r)
 
     @property
+    def finished(self) -> bool:
+        """:meth:`finish` ran."""
+        return self._finished
+
+    @property
     def states(self) -> dict[int, CacheState]:
         """Each rank's bookkeeping (only with ``fold_state=True``)."""
         return {rank: r.state for rank, r in self._ranks.items() if r.state is not None}
 
     def finish(self) -> list[Finding]:
-        """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent."""
+        """End of log: report ``incomplete_operation`` for ops still in flight. Idempotent.
+
+        An attached auditor logs these now (after every event: nothing reveals them)."""
         if not self._finished:
+            n = len(self.findings)
             for rank, r in sorted(self._ranks.items()):
                 for rec in sorted([*r.lifecycles.in_flight(rank), *r.orphans.values()], key=_op_of):
                     sub = rec.submit
@@ -476,6 +495,9 @@ class Auditor:
                         seq=-1,
                     )
             self._finished = True  # after the reports: a live auditor logs these too
+            if self._log is not None:
+                for f in self.findings[n:]:
+                    self._log.emit(AuditViolation, **f.violation_fields())
         return list(self.findings)
 
     # ------------------------------------------------------------- reporting
@@ -728,6 +750,41 @@ class Auditor:
         f, _ = self._ended(ev, r)
         if f is not None and f.spans:
             self._leaves(ev.op, f, r)
+
+
+class AuditStage:
+    """An :class:`Auditor` as a stage of a live log (``EventLog.add_stage``; what
+    :meth:`Auditor.attach` adds): ``stage(event)`` audits the event and returns the new
+    findings, which the log stores right before it; :meth:`placed` gives them the seq the
+    revealing event was stored with; :meth:`finish` (the log's ``close()``) logs the
+    end-of-log findings. After :meth:`Auditor.finish` nothing more is placed."""
+
+    __slots__ = ("auditor", "_made")
+
+    def __init__(self, auditor: Auditor) -> None:
+        self.auditor = auditor
+        self._made = (0, 0, -1)  # (first, end) of the findings last returned, and the seq they name
+
+    def __call__(self, ev: Event) -> list[Finding] | None:
+        a = self.auditor
+        found = a.findings
+        n = len(found)
+        a.handle(ev)
+        if len(found) == n or a.finished:
+            return None
+        self._made = (n, len(found), ev.seq)
+        return found[n:]
+
+    def placed(self, ev: Event) -> None:
+        """``ev`` was stored after the findings last returned, with a later seq: they name it."""
+        first, end, built = self._made
+        found = self.auditor.findings
+        for i in range(first, min(end, len(found))):
+            if found[i].seq == built:
+                found[i] = replace(found[i], seq=ev.seq)
+
+    def finish(self) -> None:
+        self.auditor.finish()
 
 
 def _merged_runs(runs: Runs, k: int) -> list[tuple[int, int]]:

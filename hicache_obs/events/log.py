@@ -9,6 +9,16 @@ Write:
   (compiled: ``hicache_obs/_logcore.c``)
 - ``append(event)``: append a pre-built event whose ``seq`` is the next one
 
+Stages (the live auditor):
+
+- ``add_stage(stage, backfill=True)``: ``stage(event)`` runs in the producer's thread on
+  every later event before it is stored or reaches a subscriber or sink, and returns what
+  it found about it (findings with a ``to_event(seq=, ts_ns=)``), or nothing. Each finding
+  becomes an event stored right *before* the event that revealed it, with that event's
+  ``ts_ns``; the revealing event then takes the next seq (``emit`` returns the event as
+  stored). So a reader that sees an op's completion has seen every verdict about it. At
+  ``close()`` each stage's ``finish()`` runs before the sinks stop. Returns a remove callable.
+
 Subscribers and sinks:
 
 - ``subscribe(fn, first=False, backfill=False)``: a synchronous subscriber, called
@@ -41,8 +51,8 @@ Read and lifecycle:
 - ``published`` (events stored in the ring), ``next_seq``, ``ring_size``
 - ``flush()``, ``close()``; ``closed_at``, ``dropped_after_close``
 
-Events emitted while subscribers run (an auditor's violation) are delivered after
-the current event reached every subscriber, so every subscriber sees log order.
+Events emitted while subscribers run are delivered after the current event reached
+every subscriber, so every subscriber sees log order.
 """
 
 from __future__ import annotations
@@ -55,13 +65,17 @@ from collections.abc import Callable, Iterable
 from enum import IntEnum
 from typing import Any, TypeVar
 
+import msgspec
+
 from .._native import LogCore  # compiled, or a ConfigError (hicache_obs._native)
 from ..errors import ConfigError, SequenceError
 from .schema import Event
 
-__all__ = ["EventLog", "FeederHandle", "HandoffWake", "Subscriber"]
+__all__ = ["EventLog", "FeederHandle", "HandoffWake", "Stage", "Subscriber"]
 
 Subscriber = Callable[[Event], None]
+#: ``stage(event) -> findings or None``: each finding has ``to_event(seq=, ts_ns=)`` (see ``add_stage``).
+Stage = Callable[[Event], Any]
 E = TypeVar("E", bound=Event)
 
 _log = logging.getLogger("hicache_obs.events")
@@ -153,6 +167,7 @@ class EventLog(LogCore):
         self._lock = threading.RLock()
         self._owner: weakref.ref[Any] | None = None  # the controller whose bookkeeping is this log's fold
         self._pending: deque[Event] = deque()
+        self._stages: list[Stage] = []
         self._bind(
             ring=self._ring,
             events=self._events,
@@ -160,6 +175,7 @@ class EventLog(LogCore):
             blocking=self._blocking,
             pending=self._pending,
             lock=self._lock,
+            stages=self._stages,
         )
 
     # ------------------------------------------------------------------ write
@@ -169,16 +185,111 @@ class EventLog(LogCore):
         return self._seq - len(self._events)
 
     def append(self, event: E) -> E:
-        """Append an event built elsewhere; its ``seq`` must be the next one."""
+        """Append an event built elsewhere; its ``seq`` must be the next one.
+
+        The log's stages see it first. A stage that finds something about it makes this a
+        :class:`~hicache_obs.errors.SequenceError` and nothing is appended: the findings
+        would have to come before the event, so its seq could not be kept (emit the event
+        instead, or copy an audited log into a log without an audit stage).
+        """
         with self._lock:
             if event.seq != self._seq:
                 raise SequenceError(
                     f"event seq {event.seq} appended where seq {self._seq} was expected "
                     f"(type {type(event).__name__})"
                 )
+            if self._stages:
+                found = [f for _, got in self._stage_findings(event) for f in got]
+                if found:
+                    raise SequenceError(
+                        f"append({type(event).__name__} seq {event.seq}): this log's stages found "
+                        f"{len(found)} violation(s) ({', '.join(sorted({str(getattr(f, 'rule', f)) for f in found}))}) "
+                        "that must come before the event, so its seq cannot be kept; nothing was appended "
+                        "(emit() it, or append to a log without an audit stage)"
+                    )
             self._seq += 1
             self._publish(event)  # what emit() does after building its event (compiled)
             return event
+
+    # ---------------------------------------------------------------- stages
+    def add_stage(self, stage: Stage, *, backfill: bool = True) -> Callable[[], None]:
+        """Run ``stage(event)`` on every later event before it is stored or delivered.
+
+        ``stage`` returns what it found about the event (a list of findings, each with
+        ``to_event(seq=, ts_ns=)``: an :class:`~hicache_obs.events.audit.Finding`), or
+        None/empty. The findings' events are stored before the event, with its ``ts_ns``
+        and the seqs it would have had; the event is re-stamped with the next seq and
+        ``emit`` returns that event. A stage with a ``placed(event)`` method is told the
+        stored event after its findings were placed; one with ``finish()`` has it called
+        by :meth:`close` before the sinks stop (it may emit: end-of-log findings). A stage
+        that raises an ``Exception`` is counted in :attr:`subscriber_errors` and the event
+        goes on; it must not emit into this log. With ``backfill`` the stage first sees
+        the retained events: what it finds about them is stored now, after them (they are
+        published already). Returns a callable that removes the stage.
+
+        The compiled ``emit`` runs the stages (``hicache_obs/_logcore.c``); the rare path,
+        placing findings, is :meth:`_place_findings`.
+        """
+        if not callable(stage):
+            raise ConfigError(f"a stage must be callable (event -> findings), got {type(stage).__name__}")
+        with self._lock:
+            self._refuse_if_closed("add_stage", stage)
+            if any(s is stage for s in self._stages):
+                raise ConfigError(f"add_stage({_name(stage)}): that stage is already on this log")
+            if backfill:
+                for ev in list(self._events):
+                    for _, found in self._stage_findings(ev, (stage,)):
+                        for f in found:  # the event is out already: its findings come after it
+                            self._store_finding(f, ev.ts_ns)
+            self._stages.append(stage)
+
+        def remove() -> None:
+            with self._lock:
+                for i, s in enumerate(self._stages):
+                    if s is stage:
+                        del self._stages[i]
+                        break
+
+        return remove
+
+    @property
+    def stages(self) -> list[Stage]:
+        return list(self._stages)
+
+    def _stage_findings(self, ev: Event, stages: Iterable[Stage] | None = None) -> list[tuple[Stage, Any]]:
+        """``(stage, findings)`` of each stage that found something about ``ev`` (lock held)."""
+        out: list[tuple[Stage, Any]] = []
+        for stage in list(self._stages) if stages is None else stages:
+            try:
+                found = stage(ev)
+            except Exception as exc:
+                self._subscriber_failed(stage, ev, exc)
+                continue
+            if found:
+                out.append((stage, found))
+        return out
+
+    def _store_finding(self, f: Any, ts_ns: int) -> Event:
+        v = f.to_event(seq=self._seq, ts_ns=ts_ns)
+        self._seq += 1
+        self._publish(v)
+        return v
+
+    def _place_findings(self, ev: Event, found: list[tuple[Stage, Any]]) -> Event:
+        """Store what the stages found about ``ev`` (built, not stored: its seq is the next),
+        then ``ev`` re-stamped with the seq after them; returns the event stored. The compiled
+        (or pure) emit calls it, under the lock, when a stage found something."""
+        for _, got in found:
+            for f in got:
+                self._store_finding(f, ev.ts_ns)
+        ev = msgspec.structs.replace(ev, seq=self._seq)
+        self._seq += 1
+        self._publish(ev)
+        for stage, _ in found:
+            placed = getattr(stage, "placed", None)
+            if placed is not None:
+                placed(ev)
+        return ev
 
     def _appended_after_close(self, ev: Event) -> None:
         """The compiled store's report of the first event appended after ``close()``."""
@@ -203,7 +314,7 @@ class EventLog(LogCore):
         return self._closed_at if self._closed else None
 
     def _subscriber_failed(self, fn: Subscriber, ev: Event, exc: BaseException) -> None:
-        name = getattr(fn, "__qualname__", repr(fn))
+        name = getattr(fn, "__qualname__", None) or _name(fn)
         self._subscriber_errors[name] = self._subscriber_errors.get(name, 0) + 1
         _log.error("event subscriber %s failed on %s seq=%d", name, type(ev).__name__, ev.seq, exc_info=exc)
 
@@ -421,6 +532,16 @@ class EventLog(LogCore):
         so a runner still catching up reads intact events): it is counted in
         :attr:`dropped_after_close`, and the first one is logged.
         """
+        if not self._closed:
+            for stage in list(self._stages):  # end-of-log findings, while sinks still take events
+                finish = getattr(stage, "finish", None)
+                if finish is None:
+                    continue
+                try:
+                    finish()
+                except Exception as exc:
+                    _log.error("stage %s failed to finish", _name(stage), exc_info=exc)
+                    self._subscriber_errors[_name(stage)] = self._subscriber_errors.get(_name(stage), 0) + 1
         with self._lock:
             if self._closed:
                 return
@@ -428,3 +549,8 @@ class EventLog(LogCore):
             runners = list(self._sinks)
         for runner in runners:
             runner.close(timeout)
+
+
+def _name(fn: Any) -> str:
+    """A stage's or subscriber's name in counts and messages: its qualified name, or its class's."""
+    return str(getattr(fn, "__qualname__", None) or type(fn).__qualname__)

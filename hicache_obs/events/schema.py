@@ -51,11 +51,14 @@ __all__ = [
 #: ``{"format":"hicache-obs/events","version":N,"rank":R,"segment":K}``.
 LOG_FORMAT = "hicache-obs/events"
 #: The log format version written. Version 1: one event per line, in seq order per rank;
-#: a segment without a header is version 1 (every log written before headers).
-LOG_FORMAT_VERSION = 1
+#: a segment without a header is version 1 (every log written before headers). Version 2:
+#: the same, with each ``AuditViolation`` right before the event that revealed it (with
+#: that event's ``ts_ns``), the end-of-log ones after every event (version 1 logged them
+#: after the revealing event). See docs/events.md, "Compatibility".
+LOG_FORMAT_VERSION = 2
 #: The versions this reader reads; a segment of a newer version is refused
 #: (:class:`~hicache_obs.errors.UnsupportedLogVersionError`). See docs/events.md, "Compatibility".
-READABLE_VERSIONS: tuple[int, ...] = (1,)
+READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 
 #: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
 MAX_CAPACITY = 1 << 28

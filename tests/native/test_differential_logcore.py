@@ -3,7 +3,9 @@
 fail, return a non-event, ignore the seq, emit while built), appends, subscribers (that
 record, raise, emit from inside, interrupt), hand-offs, closes, a resized ring and
 hostile counters must give the same results and errors, the same events in the same
-order to every subscriber, the same failure reports and the same hand-off batches.
+order to every subscriber, the same failure reports and the same hand-off batches;
+stages (that find nothing, find something, raise, interrupt, emit) the same events stored,
+in the same order, and the same findings placed.
 Then ``gap_free_run`` on random event lists, and the idle hand-off watcher: the same
 answers, and no spinning while it waits.
 """
@@ -74,11 +76,24 @@ class Harness:
             def _appended_after_close(self, ev: Any) -> None:
                 reports.append(("after_close", ev.seq))
 
+            def _place_findings(self, ev: Any, found: list[Any]) -> Any:  # what EventLog does
+                reports.append(("place", ev.seq, [(fn.__name__, list(got)) for fn, got in found]))
+                for _, got in found:
+                    for f in got:
+                        v = Ev(self._seq, ev.ts_ns, ev.rank, finding=f)
+                        self._seq += 1
+                        self._publish(v)
+                stored = Ev(self._seq, ev.ts_ns, ev.rank, **ev.fields)
+                self._seq += 1
+                self._publish(stored)
+                return stored
+
         self.core = Core()
         self.core.rank = 3
         self.ring: list[Any] = [None] * ring
         self.events: deque[Any] = deque(maxlen=32)
         self.subs: list[Any] = []
+        self.stages: list[Any] = []
         self.pending: deque[Any] = deque()
         self.seen: dict[str, list[int]] = {}
         self.batches: list[tuple[int, list[int]]] = []
@@ -89,6 +104,7 @@ class Harness:
             blocking=[],
             pending=self.pending,
             lock=threading.RLock(),
+            stages=self.stages,
         )
         self.classes = _classes(self.core)
 
@@ -101,10 +117,34 @@ class Harness:
             seen.append(ev.seq)
             if kind == "raises":
                 raise Boom(f"subscriber {name} on {ev.seq}")
-            if kind == "emits" and "nested" not in ev.fields and "inner" not in ev.fields:
+            if kind == "emits" and not {"nested", "inner", "finding"} & ev.fields.keys():
                 core.emit(Ev, nested=ev.seq)
             if kind == "interrupts" and ev.seq % 3 == 0:
                 raise KeyboardInterrupt(f"stop at {ev.seq}")
+
+        fn.__name__ = name
+        return fn
+
+    def stage(self, kind: str, k: int) -> Any:
+        name = f"stage_{kind}{k}"
+        seen = self.seen.setdefault(name, [])
+        core = self.core
+
+        def fn(ev: Any) -> Any:
+            seen.append(ev.seq)
+            if "finding" in ev.fields:
+                return None
+            if kind == "finds" and ev.seq % 2 == 0:
+                return [f"{name}@{ev.seq}", "second"]
+            if kind == "empty":
+                return []
+            if kind == "raises":
+                raise Boom(f"stage {name} on {ev.seq}")
+            if kind == "interrupts" and ev.seq % 3 == 0:
+                raise KeyboardInterrupt(f"stage stop at {ev.seq}")
+            if kind == "emits" and "nested" not in ev.fields and "inner" not in ev.fields:
+                core.emit(Ev, nested=ev.seq)
+            return None
 
         fn.__name__ = name
         return fn
@@ -124,6 +164,9 @@ class Harness:
             return outcome(core._publish, ev)
         if name == "subscribe":
             self.subs.append(self.subscriber(arg, len(self.subs)))
+            return ("ok", None)
+        if name == "stage":
+            self.stages.append(self.stage(arg, len(self.stages)))
             return ("ok", None)
         if name == "handoff":
             batch, interval = arg
@@ -183,6 +226,7 @@ def program(draw: st.DrawFn) -> tuple[int, list[tuple[str, Any]]]:
         st.tuples(st.just("emit_header"), st.sampled_from(["seq", "ts_ns", "rank"])),
         st.tuples(st.just("append"), st.sampled_from([0, 0, 0, 1, -1])),
         st.tuples(st.just("subscribe"), st.sampled_from(["records", "records", "raises", "emits", "interrupts"])),
+        st.tuples(st.just("stage"), st.sampled_from(["finds", "finds", "none", "empty", "raises", "interrupts", "emits"])),
         # an interval no test outlives: the batch decides, on both clocks
         st.tuples(st.just("handoff"), st.tuples(st.integers(0, ring // 2 + 1), st.sampled_from([1e5, 0.0, -1.0]))),
         st.tuples(st.sampled_from(["handoff_off", "handoff_now", "close"]), st.none()),
@@ -230,6 +274,11 @@ def test_a_core_whose_init_did_not_run_refuses(mod: Any) -> None:
         "raised",
         "TypeError",
         "_bind() argument 1 must be list, not tuple",
+    )
+    assert outcome(core._bind, **{**bad, "ring": [None] * 4, "stages": ()}) == (
+        "raised",
+        "TypeError",
+        "_bind() argument 'stages' must be list or None, not tuple",
     )
 
 

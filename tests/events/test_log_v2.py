@@ -1,0 +1,111 @@
+"""The committed log of the current format version (2) replays, and its order is the one
+every reader wants: each verdict right before the event that revealed it.
+
+``tests/data/logs/v2/`` is ``hicache-obs demo --steps 30 --fault unrecorded-pool-indices``
+written with the live auditor as a stage of the log. Its ``audit --json``, ``inspect
+--json`` and ``export`` outputs are pinned under ``tests/data/logs/golden/v2/``
+(``HICACHE_REGENERATE_GOLDENS=1`` rewrites them).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+from goldens import FIXTURE_V2, REGENERATE, REPO, check_golden
+
+from hicache_obs.cli import main
+from hicache_obs.events import AuditViolation
+from hicache_obs.events.audit import audit, audited
+from hicache_obs.events.replay import read_segments, replay
+from hicache_obs.events.schema import LOG_FORMAT_VERSION, READABLE_VERSIONS, TransferCompleted
+from hicache_obs.exporters.structlog_sink import StructlogSink
+
+SEGMENT = REPO / FIXTURE_V2 / "events-0-00000.jsonl"
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    monkeypatch.chdir(REPO)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_the_fixture_is_of_the_current_version() -> None:
+    assert LOG_FORMAT_VERSION == 2 and READABLE_VERSIONS == (1, 2)
+    header = json.loads(SEGMENT.read_bytes().split(b"\n", 1)[0])
+    assert header == {"format": "hicache-obs/events", "version": LOG_FORMAT_VERSION, "rank": 0, "segment": 0}
+    assert replay(REPO / FIXTURE_V2).versions == {str(SEGMENT): 2}
+
+
+def test_current_version_fixture_replays(cli, tmp_path: Path) -> None:
+    code, out, err = cli("audit", FIXTURE_V2, "--json")
+    assert code == 1, err  # the fixture's fault: violations
+    check_golden("audit.json", out.encode(), version=2)
+    found = json.loads(out)
+    assert found["events"] == 807 and found["torn_lines"] == []
+    assert {v["rule"] for v in found["violations"]} == {"unrecorded_index"}
+
+    code, out, err = cli("inspect", FIXTURE_V2, "--json")
+    assert code == 0, err
+    check_golden("inspect.json", out.encode(), version=2)
+
+    trace, otlp = tmp_path / "trace.json", tmp_path / "otlp.json"
+    code, _, err = cli("export", FIXTURE_V2, "--chrome-trace", str(trace), "--otlp-json", str(otlp))
+    assert code == 0, err
+    check_golden("chrome_trace.json", trace.read_bytes(), version=2)
+    check_golden("otlp.json", otlp.read_bytes(), version=2)
+    if REGENERATE:
+        pytest.skip("regenerated the v2 goldens")
+    whole = replay(REPO / FIXTURE_V2, audit=True)
+    streamed = replay(REPO / FIXTURE_V2, audit=True, keep_events=False)
+    assert whole.n_events == streamed.n_events == 807
+    assert len(whole.findings) == len(streamed.findings) == len(found["violations"])
+
+
+def _no_seq(ev: object) -> dict[str, object]:
+    d = msgspec.structs.asdict(ev)  # type: ignore[arg-type]
+    d.pop("seq")
+    return {"type": type(ev).__name__, **d}
+
+
+def test_its_verdicts_are_where_audited_puts_them_and_name_the_seqs_logged() -> None:
+    events = read_segments([SEGMENT]).events
+    logged = [e for e in events if type(e) is AuditViolation]
+    assert len(logged) == 50
+    # the offline stream of the log is the log itself (seqs aside: audited() gives a verdict
+    # the revealing event's seq; the live log spent a seq of its own on it)
+    assert [_no_seq(e) for e in audited(events)] == [_no_seq(e) for e in events]
+    # each unrecorded_index verdict comes before its op's completion, with its time
+    by_seq = {e.seq: e for e in events}
+    for f in audit(events):
+        revealing = by_seq[f.seq]
+        assert type(revealing) is TransferCompleted and revealing.op == f.op
+        before = by_seq[f.seq - 1]
+        assert type(before) is AuditViolation and before.op == f.op and before.ts_ns == revealing.ts_ns
+
+
+def _lines(events: list) -> str:
+    buf = io.StringIO()
+    sink = StructlogSink(file=buf)
+    for i in range(0, len(events), 7):
+        sink.handle_batch(events[i : i + 7])
+    sink.close()
+    return buf.getvalue()
+
+
+def test_a_live_sink_reads_it_as_stored() -> None:
+    events = read_segments([SEGMENT]).events
+    lines = _lines(events)
+    assert lines == _lines(list(audited(events)))
+    ops = [json.loads(x) for x in lines.splitlines() if '"hicache.transfer_completed"' in x]
+    assert sum(o["unrecorded_indices"] for o in ops) == 50
