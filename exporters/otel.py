@@ -18,11 +18,13 @@ before submission, so these events may precede the span's start),
 per ``AuditViolation`` of the op. Status ERROR, with a description, when the op
 failed or the auditor reported a violation for it.
 
-The spans follow the live op lifecycle (:class:`~hicache_obs.events.lifecycle.OpLifecycles`).
-The live auditor appends its ``unrecorded_index`` violations right after the
-``TransferCompleted``; a span is therefore ended only when the next event of the
-same rank (not a violation of that op) arrives, or on ``flush()``/``close()``,
-whatever the batch boundaries (:class:`~hicache_obs.exporters._fields.Settling`).
+The spans follow the live op lifecycle (:class:`~hicache_obs.events.lifecycle.OpLifecycles`),
+and a span ends at its op's completion or failure, in the batch that holds it: in an
+audited log every ``AuditViolation`` of an op comes before the event that revealed it
+(the live auditor is a stage of the log; the sink host and ``export`` feed
+:func:`~hicache_obs.events.audit.audited`), so the span's verdict is known by then.
+Violations given after their op's span ended (a hand-made event list in another
+order: feed it through ``audited()``) are counted in :attr:`OtelSpanSink.late_violations`.
 
 With ``tracer_provider=None`` the sink builds its own SDK ``TracerProvider`` with
 a ``BatchSpanProcessor`` and an OTLP/HTTP exporter configured by the standard
@@ -72,8 +74,6 @@ from hicache_obs.events.schema import (
     IndicesMoved,
     StreamRecorded,
 )
-
-from ._fields import Settling
 
 __all__ = [
     "SPAN_ATTRIBUTES",
@@ -279,7 +279,8 @@ class OtelSpanSink:
         self.max_ids = max_ids
         self.flush_timeout_s = flush_timeout_s
         self._lock = threading.Lock()
-        self._ops = Settling()
+        self._ops = OpLifecycles()
+        self.late_violations = 0  # violations of an op whose span had ended (or never started)
         self._spans: dict[OpKey, Span] = {}
         self._ids: OrderedDict[OpKey, tuple[int, int]] = OrderedDict()
         self._seen: dict[int, int] = {}  # rank -> highest seq handled
@@ -296,11 +297,10 @@ class OtelSpanSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            pending = self._ops.pending
             apply = self._apply
             for ev in events:
-                if type(ev) in NOT_OP_EVENTS and not pending:
-                    continue  # allocations and frees touch no span, and settle none
+                if type(ev) in NOT_OP_EVENTS:
+                    continue  # allocations and frees touch no span
                 apply(ev)
             last = {ev.rank: ev for ev in events}  # each rank's last event of the batch
             for rank, ev in last.items():
@@ -313,10 +313,7 @@ class OtelSpanSink:
             self._cv.notify_all()
 
     def flush(self) -> None:
-        """End the spans of every completed op and flush the provider (within ``flush_timeout_s``)."""
-        with self._lock:
-            for rec in self._ops.settle_all():
-                self._end(rec)
+        """Flush the provider (within ``flush_timeout_s``): every ended span goes out."""
         flush = getattr(self.provider, "force_flush", None)
         if flush is None:
             return
@@ -336,8 +333,6 @@ class OtelSpanSink:
         with self._lock:
             if self.closed:
                 return
-            for rec in self._ops.settle_all():
-                self._end(rec)
             for rec in self._ops.unfinished():
                 self._end(rec, incomplete=True)
             self.closed = True
@@ -419,15 +414,17 @@ class OtelSpanSink:
     # ----------------------------------------------------------- folding
     def _apply(self, ev: Event) -> None:
         """Fold one event into the spans (``handle_batch`` records what was seen, and when)."""
-        got, settled = self._ops.apply(ev)
-        for r in settled:
-            self._end(r)
+        got = self._ops.apply(ev)
         if got is None:
             return
         step, rec = got
         if rec is None:
+            if step is Step.VIOLATION and ev.op >= 0:  # type: ignore[attr-defined]
+                self.late_violations += 1
             return
-        if step is Step.SUBMITTED:
+        if step is Step.FINISHED:
+            self._end(rec)
+        elif step is Step.SUBMITTED:
             self._start(rec)
         elif step is Step.MOVED or step is Step.RECORDED or step is Step.VIOLATION:
             span = self._spans.get(rec.key)
@@ -448,7 +445,8 @@ class OtelSpanSink:
             start_time=sub.ts_ns,
         )
         self.spans_started += 1
-        for ev in rec.moves:
+        # what came before the submission, as the offline spans (otlp_json) have it
+        for ev in sorted([*rec.moves, *rec.records, *rec.violations], key=_seq_of):
             described = _span_event(ev)
             if described is not None:
                 span.add_event(described[0], described[1], timestamp=ev.ts_ns)
@@ -529,6 +527,10 @@ def _span_json(rec: OpRecord, last_ts: int) -> dict[str, Any]:
         "status": {"code": 2, "message": desc} if desc else {},  # 2: STATUS_CODE_ERROR
     }
     return span
+
+
+def _seq_of(ev: Event) -> int:
+    return ev.seq
 
 
 def otlp_json(events: Iterable[Event], *, service_name: str = "hicache-obs") -> dict[str, Any]:

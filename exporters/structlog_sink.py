@@ -8,8 +8,11 @@ or ``hicache.transfer_failed``) with ``op``, ``rank``, ``direction``, ``pools``,
 ``unrecorded_pools``; then one ``hicache.audit_violation`` line per violation of
 that op (``rule``, ``pool``, ``role``, ``detail``), and at close one
 ``hicache.operation_incomplete`` line per op submitted but never finished.
-Violations not tied to a known op are logged as they arrive. ``timestamp`` is the
-event's own time (ISO 8601, UTC), not the time the line was written.
+A line is written at its op's completion or failure, in the batch that holds it: in an
+audited log every violation of an op comes before the event that revealed it (see
+:func:`~hicache_obs.events.audit.audited`). Violations not tied to an op the sink
+follows (no op, or one that finished already) are logged as they arrive. ``timestamp``
+is the event's own time (ISO 8601, UTC), not the time the line was written.
 
 Correlation: give ``span_ids=`` an :class:`~hicache_obs.exporters.otel.OtelSpanSink`
 (or any object with ``span_ids(op, rank)``, and optionally ``seen_seq(rank)`` and
@@ -42,10 +45,10 @@ from typing import Any, TextIO
 import msgspec
 import structlog
 
-from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpRecord
+from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpLifecycles, OpRecord, Step
 from hicache_obs.events.schema import AuditViolation, Event
 
-from ._fields import Settling, export_status
+from ._fields import export_status
 
 __all__ = ["StructlogSink", "make_json_logger", "LEVELS"]
 
@@ -118,7 +121,7 @@ class StructlogSink:
         self.level = level
         self.span_ids = span_ids
         self.id_wait_s = id_wait_s
-        self._ops = Settling()
+        self._ops = OpLifecycles()
         self._lines: deque[_Line] = deque()
         self.lines_written = 0
         self._closed = False
@@ -131,22 +134,22 @@ class StructlogSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            ops = self._ops
-            pending = ops.pending
+            apply = self._ops.apply
             for ev in events:
-                if type(ev) in NOT_OP_EVENTS and not pending:
-                    continue  # allocations and frees touch no op, and settle none
-                got, settled = ops.apply(ev)
-                for r in settled:
-                    self._finished(r)
-                if got is not None and got[1] is None and isinstance(ev, AuditViolation):
-                    self._violation(ev, None)  # of no known op: logged at once
+                if type(ev) in NOT_OP_EVENTS:
+                    continue  # allocations and frees touch no op
+                got = apply(ev)
+                if got is None:
+                    continue
+                step, rec = got
+                if step is Step.FINISHED:
+                    self._finished(rec)  # type: ignore[arg-type]
+                elif rec is None and step is Step.VIOLATION:
+                    self._violation(ev, None)  # type: ignore[arg-type]  # of no op it follows: at once
             self._drain(block=True)
 
     def flush(self) -> None:
         with self._lock:
-            for r in self._ops.settle_all():
-                self._finished(r)
             self._drain(block=True, final=True)
 
     def close(self) -> None:
@@ -157,8 +160,6 @@ class StructlogSink:
         if self._closed:
             return
         self._closed = True
-        for r in self._ops.settle_all():
-            self._finished(r)
         for r in self._ops.unfinished():
             if r.submit is not None:
                 self._queue(r, "warning", "hicache.operation_incomplete", self._op_fields(r, r.submit.ts_ns))

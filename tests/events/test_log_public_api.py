@@ -204,20 +204,3 @@ def test_the_states_handlers_are_the_folds_apply_dispatches_to() -> None:
     assert bad == ((3, 2),)  # nothing was allocated: both slots are reported, as runs
     assert state.anomalies == [(1, "double_free", "kv/host slots [3, 4]")]
     assert state.last_seq == -1  # the handler folds; apply() is what also moves last_seq
-
-
-def test_an_op_tables_pending_shows_what_a_completion_left_unsettled() -> None:
-    from hicache_obs.events import AllocationFailed, TransferCompleted
-    from hicache_obs.events.lifecycle import Step
-    from hicache_obs.exporters._fields import Settling
-
-    table = Settling()
-    assert table.pending == {}
-    done = TransferCompleted(seq=0, ts_ns=1, op=7, direction="d2h", duration_ns=5)
-    got, settled = table.apply(done)
-    assert got is not None and got[0] is Step.FINISHED and settled == []
-    rec = got[1]
-    assert {rank: list(ops) for rank, ops in table.pending.items()} == {0: [(0, 7)]}
-    _, settled = table.apply(AllocationFailed(seq=1, ts_ns=2, pool="kv", tier="host", requested=1, available=0))
-    assert settled == [rec]  # the next event of the rank settled it
-    assert table.pending == {}
