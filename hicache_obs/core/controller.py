@@ -59,7 +59,7 @@ from .index_moves import Expected, IndexNormaliser
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
-from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
+from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, device_sizes, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
 from .submission import IndexPair, Launcher, bytes_by_pool, index_pairs, slots_by_pool
@@ -161,7 +161,7 @@ class HiCacheController:
         self._allocations = PoolAllocations(self._alloc)
         self._acks: dict[str, deque[InFlightCopy]] = {D2H: deque(), H2D: deque()}
 
-        sizes = self._device_sizes(device_size, pool_sizes or {})
+        sizes = device_sizes(spec, device_size, pool_sizes or {})
         ratio = host_ratio
         if host_bytes is not None:
             total = sum(sizes[p] * spec.slot_bytes(p) for p in spec.pool_names)
@@ -189,25 +189,6 @@ class HiCacheController:
         self.load_stream = self.runtime.stream("hicache-load")
         self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)
         self._launcher = Launcher(self.runtime, io_backend, self.host_pools, self.device_pools, spec.num_layers)
-
-    def _device_sizes(self, device_size: int, pool_sizes: dict[str, int]) -> dict[str, int]:
-        spec = self.spec
-        unknown = set(pool_sizes) - set(spec.pool_names)
-        if unknown:
-            raise UnknownPoolError(
-                f"pool_sizes names pools {sorted(unknown)} that model {spec.name!r} lacks; pools: {spec.pool_names}"
-            )
-        sizes = {"kv": device_size}
-        if "mamba" in spec.pool_names:
-            sizes["mamba"] = max(8, device_size // spec.page_size)
-        if "swa" in spec.pool_names:
-            sizes["swa"] = device_size
-        sizes.update(pool_sizes)
-        for name, n in sizes.items():
-            ps = 1 if name == "mamba" else spec.page_size
-            if n <= 0 or n % ps:
-                raise ConfigError(f"device size of pool {name!r} must be a positive multiple of {ps}, got {n}")
-        return sizes
 
     # ---------------------------------------------------------------- helpers
     def _emit(self, cls: Any, **fields: Any) -> Any:

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from ..errors import DoubleFreeError, InvalidIndicesError, PageSizeError, SlotNotAllocatedError
+from ..errors import (
+    ConfigError,
+    DoubleFreeError,
+    InvalidIndicesError,
+    PageSizeError,
+    SlotNotAllocatedError,
+    UnknownPoolError,
+)
 from ..events.schema import AllocationFailed, SlotsAllocated, SlotsFreed, runs_from_list
 from ..events.state import SlotTable
 from .runtime import Runtime
@@ -30,6 +37,7 @@ __all__ = [
     "SlotAllocator",
     "DevicePool",
     "HostPool",
+    "device_sizes",
     "host_size",
     "indices_list",
 ]
@@ -42,6 +50,27 @@ Emit = Callable[..., Any]
 def indices_list(runtime: Runtime, t: torch.Tensor) -> list[int]:
     """Index values as a Python list (reads device memory: not for the hot path on cuda)."""
     return runtime.to_host(t).tolist()  # type: ignore[no-any-return]
+
+
+def device_sizes(spec: ModelSpec, device_size: int, pool_sizes: dict[str, int]) -> dict[str, int]:
+    """The device slots of each of ``spec``'s pools: ``device_size`` for KV and SWA, one slot
+    per page (at least 8) for Mamba, unless ``pool_sizes`` names the pool."""
+    unknown = set(pool_sizes) - set(spec.pool_names)
+    if unknown:
+        raise UnknownPoolError(
+            f"pool_sizes names pools {sorted(unknown)} that model {spec.name!r} lacks; pools: {spec.pool_names}"
+        )
+    sizes = {"kv": device_size}
+    if "mamba" in spec.pool_names:
+        sizes["mamba"] = max(8, device_size // spec.page_size)
+    if "swa" in spec.pool_names:
+        sizes["swa"] = device_size
+    sizes.update(pool_sizes)
+    for name, n in sizes.items():
+        ps = 1 if name == "mamba" else spec.page_size
+        if n <= 0 or n % ps:
+            raise ConfigError(f"device size of pool {name!r} must be a positive multiple of {ps}, got {n}")
+    return sizes
 
 
 def host_size(device_slots: int, page_size: int, *, ratio: float) -> int:
