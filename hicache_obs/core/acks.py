@@ -1,23 +1,28 @@
-"""A transfer in flight and what reaping it gives: :class:`InFlightCopy`, :class:`Ack`.
+"""Transfers in flight and their reaping: :class:`InFlightCopy`, :func:`reap`, :class:`Ack`.
 
 A controller keeps one :class:`InFlightCopy` per submitted op, per direction, in FIFO
-order. Reaping asks the oldest whether it is done (:meth:`InFlightCopy.settle`); a
-failure of its copies, or of the runtime's answer about it, becomes its ``error``. The
-controller then emits ``TransferCompleted`` or ``TransferFailed`` and hands the caller
-the op's :class:`Ack` (``poll_writes`` / ``poll_loads``).
+order. :func:`reap` asks the oldest whether it is done (:meth:`InFlightCopy.settle`); a
+failure of its copies, or of the runtime's answer about it, becomes its ``error``. It
+emits the op's ``TransferCompleted`` or ``TransferFailed`` and hands the caller the op's
+:class:`Ack` (``poll_writes`` / ``poll_loads``), and stops at the first op not done: a
+failed op is reaped in its place in the FIFO, never ahead of an older one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..events.schema import TransferCompleted, TransferFailed
 from .runtime import DeviceEvent
 from .transfer import CopyFault
 
-__all__ = ["Ack", "Given", "InFlightCopy", "elapsed_ns"]
+__all__ = ["Ack", "Given", "InFlightCopy", "elapsed_ns", "reap"]
 
 _log = logging.getLogger("hicache_obs.controller")
 
@@ -113,3 +118,40 @@ class InFlightCopy:
             self.op_id, self.direction, self.node_ids, True, None, duration_ns, layer_durations_ns,
             self.slots_by_pool, self.bytes_by_pool, self.producer_id,
         )  # fmt: skip
+
+
+def reap(
+    queue: deque[InFlightCopy],
+    emit: Callable[..., Any],
+    *,
+    closing: bool = False,
+    free_failed: Callable[[int, Given], None] | None = None,
+) -> list[Ack]:
+    """Reap ``queue`` (one direction's copies, oldest first) in FIFO order, up to the first
+    op not done: a failure of the op's copies, or of the runtime's answer about the op, is
+    that op's ``TransferFailed``, anything else its ``TransferCompleted`` (each ``emit``-ted).
+    ``closing``: reap every op (the runtime was synchronised), and give a failed op's slots
+    back with ``free_failed(op, given)`` unless its copies may still write (``settle``)."""
+    out: list[Ack] = []
+    while queue:
+        a = queue[0]
+        done, stuck = a.settle(closing=closing)
+        if not done:
+            break
+        queue.popleft()
+        if a.error is not None:
+            emit(TransferFailed, op=a.op_id, direction=a.direction, error=a.error)
+            out.append(a.ack())
+            if closing and not stuck and free_failed is not None:
+                free_failed(a.op_id, a.given)
+            continue
+        dur, layers = a.durations()
+        emit(
+            TransferCompleted,
+            op=a.op_id,
+            direction=a.direction,
+            duration_ns=dur if dur is not None else 0,
+            layer_durations_ns=layers,
+        )
+        out.append(a.ack(dur, layers))
+    return out

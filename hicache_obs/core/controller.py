@@ -52,7 +52,7 @@ from ..events.schema import (
     TransferSubmitted,
 )
 from ..events.state import CacheState
-from .acks import Ack, Given, InFlightCopy
+from .acks import Ack, Given, InFlightCopy, reap
 from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
 from .describe import describe, submission_refs
 from .index_moves import Expected, IndexNormaliser
@@ -692,40 +692,9 @@ class HiCacheController:
         return self._poll(H2D)
 
     def _poll(self, direction: str) -> list[Ack]:
-        return self._reap(direction, closing=False)
-
-    def _reap(self, direction: str, *, closing: bool) -> list[Ack]:
-        """Reap in FIFO order. A failure of the op's copies, or of the runtime's answer
-        about the op, is that op's ``TransferFailed``. ``closing``: reap every ack (the
-        runtime was synchronised) and give back the slots allocated for each failed op."""
-        from ..events.schema import TransferCompleted, TransferFailed
-
         with self._lock:
             self._check_open()
-            out: list[Ack] = []
-            q = self._acks[direction]
-            while q:
-                a = q[0]
-                done, stuck = a.settle(closing=closing)
-                if not done:
-                    break
-                q.popleft()
-                if a.error is not None:
-                    self._emit(TransferFailed, op=a.op_id, direction=direction, error=a.error)
-                    out.append(a.ack())
-                    if closing and not stuck:
-                        self._allocations.free_failed(a.op_id, a.given)
-                    continue
-                dur, layers = a.durations()
-                self._emit(
-                    TransferCompleted,
-                    op=a.op_id,
-                    direction=direction,
-                    duration_ns=dur if dur is not None else 0,
-                    layer_durations_ns=layers,
-                )
-                out.append(a.ack(dur, layers))
-            return out
+            return reap(self._acks[direction], self._emit)
 
     def in_flight(self, direction: str) -> int:
         return self.state.in_flight(direction)
@@ -753,7 +722,8 @@ class HiCacheController:
             if self._closed:
                 return
             self.runtime.synchronize()  # may raise: then the controller stays open, nothing changed
-            out = self._reap(D2H, closing=True) + self._reap(H2D, closing=True)
+            free_failed = self._allocations.free_failed
+            out = [a for d in (D2H, H2D) for a in reap(self._acks[d], self._emit, closing=True, free_failed=free_failed)]
             for direction, stream in ((D2H, self.write_stream), (H2D, self.load_stream)):
                 for op_id in list(self.state.queues[direction]):
                     op = self._ops.pop(op_id, None)
@@ -768,7 +738,7 @@ class HiCacheController:
                 # merged and never submitted (an exception that escaped a submission)
                 for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "merged"]:
                     self._end_unstarted(op_id, stream, "the op was merged and never submitted; ended at close")
-                out += self._reap(direction, closing=True)
+                out += reap(self._acks[direction], self._emit, closing=True, free_failed=free_failed)
                 # submitted with no ack (an exception escaped between its TransferSubmitted and
                 # its ack): whatever it launched ran before synchronize() returned
                 for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "submitted"]:
