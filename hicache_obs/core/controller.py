@@ -49,7 +49,6 @@ from ..events.schema import (
     StreamRecorded,
     TensorRef,
     TransferFailed,
-    TransferSubmitted,
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy, reap
@@ -62,7 +61,7 @@ from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, device_sizes, host_size
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
-from .submission import IndexPair, Launcher, bytes_by_pool, index_pairs, slots_by_pool
+from .submission import IndexPair, Launcher, Submissions, bytes_by_pool, index_pairs, slots_by_pool
 from .transfer import IO_BACKENDS, CopyFault
 from .validation import check_index_pair, check_index_tensor, check_request, check_transfers
 
@@ -189,6 +188,7 @@ class HiCacheController:
         self.load_stream = self.runtime.stream("hicache-load")
         self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)
         self._launcher = Launcher(self.runtime, io_backend, self.host_pools, self.device_pools, spec.num_layers)
+        self._submissions = Submissions(self._emit, self.runtime, spec, io_backend, layout, enable_timing)
 
     # ---------------------------------------------------------------- helpers
     def _emit(self, cls: Any, **fields: Any) -> Any:
@@ -520,19 +520,7 @@ class HiCacheController:
                 op.id, direction, tuple(op.node_ids), self._slots_or_none(op), stream, producer_id, exc,
                 self._allocations.pop(op.id),
             )
-        self._emit(
-            TransferSubmitted,
-            op=op.id,
-            direction=direction,
-            stream=stream.name,
-            io_backend=self.io_backend,
-            layout=self.layout,
-            tensors=tuple(refs),
-            slots_by_pool=slots,
-            bytes_by_pool=sizes,
-            producer_id=producer_id,
-            device=rt.device,
-        )
+        self._submissions.submitted(op.id, direction, stream, refs, slots, sizes, producer_id)
         begin = rt.event(self.enable_timing)  # when the side stream starts this op's work
         fault = CopyFault()
         ack = InFlightCopy(
@@ -566,11 +554,15 @@ class HiCacheController:
             ack.finish = self._finish_after_refusal(stream, op)
         finally:
             self._submitted_refs = {}  # keyed by id(): valid only during this submission
-        if direction == H2D and producer_id >= 0:
-            self.layer_done_counter.set_finish_event(producer_id, ack.finish)
-        self._acks[direction].append(ack)
+        self._track(ack)
         self._allocations.pop(op.id)
         return ack
+
+    def _track(self, ack: InFlightCopy) -> None:
+        """Queue a submitted op's ack for reaping; a tracked load's finish is its producer's."""
+        if ack.direction == H2D and ack.producer_id >= 0:
+            self.layer_done_counter.set_finish_event(ack.producer_id, ack.finish)
+        self._acks[ack.direction].append(ack)
 
     def _finish_after_refusal(self, stream: Any, op: CacheOperation) -> DeviceEvent:
         """The finish event of a launch that raised part-way: after whatever of it the side
@@ -606,33 +598,9 @@ class HiCacheController:
         exc: BaseException,
         given: Given,
     ) -> InFlightCopy:
-        """End an op that launched nothing: a ``TransferSubmitted`` without tensors (no copy
-        received any) and an ack carrying ``exc``, reaped in FIFO order as its
-        ``TransferFailed``."""
-        rt = self.runtime
-        sizes = bytes_by_pool(self.spec, slots)
-        self._emit(
-            TransferSubmitted,
-            op=op_id,
-            direction=direction,
-            stream=stream.name,
-            io_backend=self.io_backend,
-            layout=self.layout,
-            tensors=(),
-            slots_by_pool=slots,
-            bytes_by_pool=sizes,
-            producer_id=producer_id,
-            device=rt.device,
-        )
-        finish = rt.event(self.enable_timing)
-        finish.record()  # on the main stream: nothing of this op was queued anywhere
-        ack = InFlightCopy(
-            op_id, direction, node_ids, finish, finish, None, slots, sizes, producer_id,
-            error=f"{type(exc).__name__}: {exc}", given=given,
-        )
-        if direction == H2D and producer_id >= 0:
-            self.layer_done_counter.set_finish_event(producer_id, finish)
-        self._acks[direction].append(ack)
+        """End an op that launched nothing (:meth:`Submissions.end_unlaunched`) and queue its ack."""
+        ack = self._submissions.end_unlaunched(op_id, direction, node_ids, slots, stream, producer_id, exc, given)
+        self._track(ack)
         return ack
 
     def _launch_write(self, pairs: list[IndexPair], fault: CopyFault) -> None:

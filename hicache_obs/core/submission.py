@@ -1,23 +1,28 @@
-"""Submission: what a merged, moved op hands the copies, and the launches themselves.
+"""Submission: what a merged, moved op hands the copies, the launches, and its one event.
 
 :func:`index_pairs` lists an op's :class:`IndexPair` (the anchor's first), each with the
 runs of its values where the host can read them: the events and the copies share them.
 :func:`slots_by_pool` and :func:`bytes_by_pool` are the sizes its events carry.
 :class:`Launcher` starts an op's copies on the current stream: :meth:`Launcher.write`
 backs up every pool; :meth:`Launcher.load` loads layer by layer, recording each layer's
-event after its data. The controller emits the op's ``TransferSubmitted``, queues its
-ack and records its index tensors on the stream.
+event after its data. :class:`Submissions` builds every op's ``TransferSubmitted`` (the
+one place it is built), for an op whose copies are launched and for an op ended with
+nothing launched (:meth:`Submissions.end_unlaunched`: an index move or the submission's
+set-up refused it, or ``close()`` cancelled it), whose ack then carries the error. The
+controller queues each op's ack and records its index tensors on the stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import UnresolvedTransferError
+from ..events.schema import TensorRef, TransferSubmitted
+from .acks import Given, InFlightCopy
 from .operations import CacheOperation
 from .pools import DevicePool, HostPool
 from .runtime import DeviceEvent, Runtime
@@ -33,7 +38,7 @@ from .transfer import (
     runs_for_copy,
 )
 
-__all__ = ["IndexPair", "Launcher", "bytes_by_pool", "index_pairs", "slots_by_pool"]
+__all__ = ["IndexPair", "Launcher", "Submissions", "bytes_by_pool", "index_pairs", "slots_by_pool"]
 
 #: (pool, slots) per pool, the anchor's first
 SlotsByPool = tuple[tuple[str, int], ...]
@@ -152,3 +157,76 @@ class Launcher:
             ev.record(stream)
             events.append(ev)
         return events
+
+
+class Submissions:
+    """One controller's ``TransferSubmitted`` events, built here only (``emit`` appends and
+    folds an event), and the ending of an op that launched nothing."""
+
+    __slots__ = ("emit", "runtime", "spec", "io_backend", "layout", "enable_timing")
+
+    def __init__(
+        self,
+        emit: Callable[..., Any],
+        runtime: Runtime,
+        spec: ModelSpec,
+        io_backend: str,
+        layout: str,
+        enable_timing: bool,
+    ) -> None:
+        self.emit = emit
+        self.runtime = runtime
+        self.spec = spec
+        self.io_backend = io_backend
+        self.layout = layout
+        self.enable_timing = enable_timing
+
+    def submitted(
+        self,
+        op: int,
+        direction: str,
+        stream: Any,
+        tensors: Sequence[TensorRef],
+        slots: SlotsByPool,
+        sizes: SlotsByPool,
+        producer_id: int,
+    ) -> None:
+        """The op's ``TransferSubmitted`` on ``stream``: ``tensors`` describe what its copies
+        were handed (none for an op that launched nothing)."""
+        self.emit(
+            TransferSubmitted,
+            op=op,
+            direction=direction,
+            stream=stream.name,
+            io_backend=self.io_backend,
+            layout=self.layout,
+            tensors=tuple(tensors),
+            slots_by_pool=slots,
+            bytes_by_pool=sizes,
+            producer_id=producer_id,
+            device=self.runtime.device,
+        )
+
+    def end_unlaunched(
+        self,
+        op: int,
+        direction: str,
+        node_ids: tuple[int, ...],
+        slots: SlotsByPool,
+        stream: Any,
+        producer_id: int,
+        exc: BaseException,
+        given: Given,
+    ) -> InFlightCopy:
+        """End an op that launched nothing: a ``TransferSubmitted`` without tensors (no copy
+        received any) and the ack to queue, carrying ``exc``: reaped in FIFO order as the
+        op's ``TransferFailed`` (``given``: the slots allocated for it)."""
+        rt = self.runtime
+        sizes = bytes_by_pool(self.spec, slots)
+        self.submitted(op, direction, stream, (), slots, sizes, producer_id)
+        finish = rt.event(self.enable_timing)
+        finish.record()  # on the main stream: nothing of this op was queued anywhere
+        return InFlightCopy(
+            op, direction, node_ids, finish, finish, None, slots, sizes, producer_id,
+            error=f"{type(exc).__name__}: {exc}", given=given,
+        )  # fmt: skip

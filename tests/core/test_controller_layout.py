@@ -29,7 +29,7 @@ from hicache_obs.errors import UnresolvedTransferError
 from hicache_obs.events import IndicesMoved, SlotsAllocated, SlotsFreed, expand_runs, fold
 
 CORE = Path(core_pkg.__file__).resolve().parent
-ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission")
+ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks")
 
 #: calls that do one concept's work -> the one module (of ROOMS) allowed to make them
 CONCEPT_CALLS = {
@@ -43,6 +43,8 @@ CONCEPT_CALLS = {
     "host_pair_runs": "submission",
     "runs_for_copy": "submission",
     "unallocated": "allocation",  # which of a failed op's slots are still allocated
+    "settle": "acks",  # whether an op in flight is done, and how it failed
+    "durations": "acks",
 }
 
 
@@ -98,6 +100,30 @@ def test_the_controller_defines_no_normalisation_allocation_or_description() -> 
     }  # fmt: skip
     assert defined & gone == set()
     assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["HiCacheController"]
+
+
+def _uses_of(name: str) -> list[str]:
+    """``module:function`` (the innermost one) of every use of ``name`` in core/ but its imports."""
+    out: list[str] = []
+
+    def visit(node: ast.AST, module: str, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, module, child.name)
+            elif isinstance(child, ast.Name) and child.id == name:
+                out.append(f"{module}:{where}")
+            else:
+                visit(child, module, where)
+
+    for path in sorted(CORE.glob("*.py")):
+        visit(_tree(path.stem), path.stem, "<module>")
+    return out
+
+
+def test_one_place_builds_every_transfer_submitted() -> None:
+    """Launched or not (an index move that refused, a set-up that raised, an op cancelled at
+    close), an op's ``TransferSubmitted`` is built in ``Submissions.submitted`` only."""
+    assert _uses_of("TransferSubmitted") == ["submission:submitted"]
 
 
 @pytest.mark.parametrize("module", [p.stem for p in sorted(CORE.glob("*.py"))])

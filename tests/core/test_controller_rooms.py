@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from hicache_obs.core.acks import Ack, InFlightCopy, reap
-from hicache_obs.events.schema import TransferCompleted, TransferFailed
+from hicache_obs.events import fold
+from hicache_obs.events.schema import TransferCompleted, TransferFailed, TransferSubmitted
 
 
 class _Event:
@@ -108,3 +109,97 @@ def test_reap_of_a_real_controller_emits_what_its_fold_then_holds(make_controlle
 def test_reap_of_an_empty_queue_emits_nothing(closing: bool) -> None:
     emitted = _Emitted()
     assert reap(deque(), emitted, closing=closing) == [] and emitted == []
+
+
+# ------------------------------------------------------------------ submissions
+
+
+def _without(ev: Any, *names: str) -> dict[str, Any]:
+    import msgspec
+
+    return {k: v for k, v in msgspec.to_builtins(ev).items() if k not in ("seq", "ts_ns", *names)}
+
+
+def _ended_write(make_controller, monkeypatch: pytest.MonkeyPatch, where: str, spec: str) -> tuple[Any, list[Any], Ack]:
+    """A write of a fresh controller whose ``where`` raises; its events from the write on, and its ack."""
+    c = make_controller(spec=spec, runtime="sim")
+    nodes = {p: c.alloc_device(16 if p != "mamba" else 2, pool=p) for p in c.spec.pool_names}
+
+    def refuse(*args: object) -> None:
+        raise ValueError(f"refused at {where}")
+
+    monkeypatch.setattr(c, where, refuse)
+    n = len(c.log)
+    if spec == "tiny":
+        assert c.write(nodes["kv"], node_id=3) is not None
+    else:
+        from hicache_obs.core import PoolTransfer
+
+        transfers = [PoolTransfer(p, device_indices=t) for p, t in nodes.items() if p != "kv"]
+        assert c.write(nodes["kv"], node_id=3, pool_transfers=transfers) is not None
+    monkeypatch.undo()
+    c.synchronize()
+    (ack,) = c.poll_writes()
+    return c, c.log.events()[n:], ack
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny_hybrid"])
+def test_a_refused_index_move_and_a_failed_launch_end_the_op_with_the_same_event_fields(
+    make_controller, monkeypatch: pytest.MonkeyPatch, spec: str
+) -> None:
+    """An op that launched nothing (its index move refused) and an op whose launch raised
+    carry the same ``TransferSubmitted`` but for the tensors (none were handed to a copy),
+    the same ``TransferFailed`` but for the place named in the error, and the same ack."""
+    ends = {where: _ended_write(make_controller, monkeypatch, where, spec) for where in ("_move_op", "_launch_write")}
+    subs = {w: [e for e in evs if isinstance(e, TransferSubmitted)] for w, (_, evs, _) in ends.items()}
+    fails = {w: [e for e in evs if isinstance(e, TransferFailed)] for w, (_, evs, _) in ends.items()}
+    (refused,), (launched,) = subs["_move_op"], subs["_launch_write"]
+    pools = ends["_launch_write"][0].spec.pool_names
+    assert refused.tensors == () and len(launched.tensors) == 2 * len(pools)  # host and device, per pool
+    assert _without(refused, "tensors") == _without(launched, "tensors")
+    assert [_without(e, "error") for e in fails["_move_op"]] == [_without(e, "error") for e in fails["_launch_write"]]
+    assert [e.error for w in ends for e in fails[w]] == [
+        "ValueError: refused at _move_op",
+        "ValueError: refused at _launch_write",
+    ]
+    acks = {w: ack for w, (_, _, ack) in ends.items()}
+    assert acks["_move_op"].ok is acks["_launch_write"].ok is False
+    assert {k: v for k, v in vars(acks["_move_op"]).items() if k != "error"} == {
+        k: v for k, v in vars(acks["_launch_write"]).items() if k != "error"
+    }
+    for c, _, _ in ends.values():
+        assert fold(c.log.events()).snapshot() == c.state.snapshot()
+
+
+def test_end_unlaunched_submits_no_tensors_and_hands_back_a_failed_copy_done_at_once(make_controller) -> None:
+    """The op's ``TransferSubmitted`` (sizes from the spec) and its copy: finished on the main
+    stream, carrying the error and the slots it was given, reaped as its ``TransferFailed``."""
+    from hicache_obs.core.submission import Submissions
+
+    c = make_controller(spec="tiny_hybrid", runtime="sim")
+    emitted = _Emitted()
+    subs = Submissions(emitted, c.runtime, c.spec, "kernel", "page_first", enable_timing=True)
+    given = (("kv", "device", "the slots given"),)
+    copy = subs.end_unlaunched(9, "h2d", (1, 2), (("kv", 16), ("mamba", 2)), c.load_stream, 4, KeyError("gone"), given)  # type: ignore[arg-type]
+    assert emitted == [
+        (
+            "TransferSubmitted",
+            {
+                "op": 9,
+                "direction": "h2d",
+                "stream": c.load_stream.name,
+                "io_backend": "kernel",
+                "layout": "page_first",
+                "tensors": (),
+                "slots_by_pool": (("kv", 16), ("mamba", 2)),
+                "bytes_by_pool": (("kv", 16 * c.spec.slot_bytes("kv")), ("mamba", 2 * c.spec.slot_bytes("mamba"))),
+                "producer_id": 4,
+                "device": c.runtime.device,
+            },
+        )
+    ]
+    assert (copy.op_id, copy.direction, copy.node_ids, copy.producer_id, copy.given) == (9, "h2d", (1, 2), 4, given)
+    assert copy.error == "KeyError: 'gone'" and copy.start is copy.finish and copy.layer_events is None
+    (ack,) = reap(deque([copy]), emitted)
+    assert emitted[-1] == ("TransferFailed", {"op": 9, "direction": "h2d", "error": "KeyError: 'gone'"})
+    assert (ack.ok, ack.slots_by_pool, ack.bytes_by_pool) == (False, copy.slots_by_pool, copy.bytes_by_pool)
