@@ -48,11 +48,11 @@ from ..events.schema import (
     PoolCreated,
     StreamRecorded,
     TensorRef,
-    TransferFailed,
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy, reap
 from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
+from .closing import end_every_op
 from .describe import describe, submission_refs
 from .index_moves import Expected, IndexNormaliser
 from .layers import LayerDoneCounter
@@ -690,29 +690,15 @@ class HiCacheController:
             if self._closed:
                 return
             self.runtime.synchronize()  # may raise: then the controller stays open, nothing changed
-            free_failed = self._allocations.free_failed
-            out = [a for d in (D2H, H2D) for a in reap(self._acks[d], self._emit, closing=True, free_failed=free_failed)]
-            for direction, stream in ((D2H, self.write_stream), (H2D, self.load_stream)):
-                for op_id in list(self.state.queues[direction]):
-                    op = self._ops.pop(op_id, None)
-                    self._emit(
-                        OperationsMerged,
-                        op=op_id,
-                        merged_ops=(op_id,),
-                        direction=direction,
-                        node_ids=tuple(op.node_ids) if op is not None else self.state.ops[op_id].node_ids,
-                    )
-                    self._end_unstarted(op_id, stream, "cancelled: the controller was closed before this op started")
-                # merged and never submitted (an exception that escaped a submission)
-                for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "merged"]:
-                    self._end_unstarted(op_id, stream, "the op was merged and never submitted; ended at close")
-                out += reap(self._acks[direction], self._emit, closing=True, free_failed=free_failed)
-                # submitted with no ack (an exception escaped between its TransferSubmitted and
-                # its ack): whatever it launched ran before synchronize() returned
-                for op_id in [o for o, s in self.state.ops.items() if s.direction == direction and s.status == "submitted"]:
-                    error = "ControllerClosedError: the op was submitted and its ack never queued; ended at close"
-                    self._emit(TransferFailed, op=op_id, direction=direction, error=error)
-                    self._allocations.free_failed(op_id, self._allocations.pop(op_id))
+            out = end_every_op(
+                self.state,
+                self._ops,
+                self._acks,
+                {D2H: self.write_stream, H2D: self.load_stream},
+                self._allocations,
+                self._emit,
+                self._submissions.end_unlaunched,
+            )
             self._allocations.clear()
             self._ops.clear()
             self._closed = True
@@ -722,13 +708,6 @@ class HiCacheController:
                 self.log.close()
             if out:
                 _log.debug("close() ended %d ops: %s", len(out), [(a.op_id, a.ok) for a in out])
-
-    def _end_unstarted(self, op_id: int, stream: Any, why: str) -> None:
-        s = self.state.ops[op_id]
-        self._fail_unsubmitted(
-            op_id, s.direction, s.node_ids, s.slots_by_pool, stream, -1, ControllerClosedError(why),
-            self._allocations.pop(op_id),
-        )
 
     def __enter__(self) -> HiCacheController:
         return self

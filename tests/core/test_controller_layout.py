@@ -29,7 +29,7 @@ from hicache_obs.errors import UnresolvedTransferError
 from hicache_obs.events import IndicesMoved, SlotsAllocated, SlotsFreed, expand_runs, fold
 
 CORE = Path(core_pkg.__file__).resolve().parent
-ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks")
+ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing")
 
 #: calls that do one concept's work -> the one module (of ROOMS) allowed to make them
 CONCEPT_CALLS = {
@@ -45,6 +45,7 @@ CONCEPT_CALLS = {
     "unallocated": "allocation",  # which of a failed op's slots are still allocated
     "settle": "acks",  # whether an op in flight is done, and how it failed
     "durations": "acks",
+    "end_every_op": "controller",  # close(): the one caller
 }
 
 
@@ -74,7 +75,9 @@ def _keyword_constants(tree: ast.AST, keyword: str) -> set[object]:
 @pytest.mark.parametrize("module", ROOMS)
 def test_each_concepts_calls_are_made_in_its_own_module_only(module: str) -> None:
     called = _called_names(_tree(module))
-    misplaced = sorted(f"{name} (belongs in {home})" for name, home in CONCEPT_CALLS.items() if name in called and home != module)
+    misplaced = sorted(
+        f"{name} (belongs in {home})" for name, home in CONCEPT_CALLS.items() if name in called and home != module
+    )
     assert misplaced == [], f"core/{module}.py makes another room's calls: {misplaced}"
 
 
@@ -97,6 +100,7 @@ def test_the_controller_defines_no_normalisation_allocation_or_description() -> 
         "_move_checked", "_move", "_move_hybrid", "_alloc_many", "_rollback", "_free_given",
         "_resolve_allocated", "_materialise_aliases", "_ref", "_submit_refs", "_pairs", "_runs_for",
         "_slots_by_pool", "IndexPair", "_Expected", "HybridCacheController",
+        "_reap", "_end_unstarted", "_device_sizes",
     }  # fmt: skip
     assert defined & gone == set()
     assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["HiCacheController"]
@@ -118,6 +122,17 @@ def _uses_of(name: str) -> list[str]:
     for path in sorted(CORE.glob("*.py")):
         visit(_tree(path.stem), path.stem, "<module>")
     return out
+
+
+def _strings(module: str) -> set[str]:
+    return {n.value for n in ast.walk(_tree(module)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_only_the_closing_module_ends_ops_at_close() -> None:
+    """The errors of the ops ``close()`` ends are written in ``closing`` only."""
+    marks = ("ended at close", "closed before this op started")
+    where = {m: sorted(p.stem for p in CORE.glob("*.py") if any(m in t for t in _strings(p.stem))) for m in marks}
+    assert where == {m: ["closing"] for m in marks}
 
 
 def test_one_place_builds_every_transfer_submitted() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hicache_obs.core.acks import Ack, InFlightCopy, reap
-from hicache_obs.events import fold
+from hicache_obs.events import expand_runs, fold
 from hicache_obs.events.schema import TransferCompleted, TransferFailed, TransferSubmitted
 
 
@@ -203,3 +203,52 @@ def test_end_unlaunched_submits_no_tensors_and_hands_back_a_failed_copy_done_at_
     (ack,) = reap(deque([copy]), emitted)
     assert emitted[-1] == ("TransferFailed", {"op": 9, "direction": "h2d", "error": "KeyError: 'gone'"})
     assert (ack.ok, ack.slots_by_pool, ack.bytes_by_pool) == (False, copy.slots_by_pool, copy.bytes_by_pool)
+
+
+# ------------------------------------------------------------------ closing
+
+
+def test_end_every_op_reaps_then_cancels_each_direction_and_leaves_nothing_open(make_controller) -> None:
+    """A write in flight and a load queued, never started: the write is reaped first, then
+    the load is merged alone, submitted with no tensors, reaped failed as cancelled and its
+    device slots freed; ``end_unlaunched`` is asked for the load's op, nodes and pools."""
+    from hicache_obs.core.closing import end_every_op
+    from hicache_obs.events.schema import D2H, H2D
+
+    c = make_controller(spec="tiny", runtime="sim")
+    dev = c.alloc_device(16)
+    host = c.write(dev, node_id=1)
+    assert host is not None
+    c.synchronize()
+    assert [a.ok for a in c.poll_writes()] == [True]
+    with c.runtime.paused():
+        c.write(c.alloc_device(16), node_id=2)  # in flight: its copies wait on the paused stream
+        loaded = c.load(host, node_id=3)  # queued: start_loading never called
+    assert loaded is not None
+    asked: list[tuple[Any, ...]] = []
+
+    def end_unlaunched(*args: Any) -> InFlightCopy:
+        asked.append(args[:6])
+        return c._submissions.end_unlaunched(*args)
+
+    n = len(c.log)
+    c.runtime.synchronize()
+    streams = {D2H: c.write_stream, H2D: c.load_stream}
+    acks = end_every_op(c.state, c._ops, c._acks, streams, c._allocations, c._emit, end_unlaunched)
+    assert [(a.op_id, a.node_ids, a.ok) for a in acks] == [(1, (2,), True), (2, (3,), False)]
+    evs = c.log.events()[n:]
+    assert [type(e).__name__ for e in evs] == [
+        "TransferCompleted",
+        "OperationsMerged",
+        "TransferSubmitted",
+        "TransferFailed",
+        "SlotsFreed",
+    ]
+    merged, submitted, failed, freed = evs[1:]
+    assert (merged.op, merged.merged_ops, merged.node_ids) == (2, (2,), (3,))
+    assert asked == [(2, H2D, (3,), (("kv", 16),), c.load_stream, -1)]
+    assert submitted.tensors == () and submitted.slots_by_pool == (("kv", 16),)
+    assert failed.error == "ControllerClosedError: cancelled: the controller was closed before this op started"
+    assert (freed.tier, freed.reason, freed.op, expand_runs(freed.indices)) == ("device", "failed", 2, loaded.tolist())
+    assert c.state.ops == {} and c._ops == {} and not any(c._acks.values())
+    assert fold(c.log.events()).snapshot() == c.state.snapshot()
