@@ -12,10 +12,13 @@ gap-free ``seq``.
 
 This module is the facade: the lock, the queues, the public methods and the hot path of
 a submission (``_submit``). Each concept has a module of its own: input checks
-(:mod:`.validation`), multi-pool allocation and alias resolution (:mod:`.allocation`),
-index normalisation (:mod:`.index_moves`), tensor descriptions (:mod:`.describe`), index
-pairs and copy launches (:mod:`.submission`), transfers in flight and acks (:mod:`.acks`),
-and :class:`HybridCacheController` (:mod:`.hybrid`, re-exported here).
+(:mod:`.validation`), pool sizes and pools (:mod:`.pools`), multi-pool allocation and
+alias resolution (:mod:`.allocation`), index normalisation (:mod:`.index_moves`), tensor
+descriptions (:mod:`.describe`), index pairs, copy launches and every
+``TransferSubmitted`` (:mod:`.submission`), the runtime's reports of stream records and
+index moves (:mod:`.reports`), transfers in flight and their FIFO reaping (:mod:`.acks`),
+the ending of every op at close (:mod:`.closing`), and :class:`HybridCacheController`
+(:mod:`.hybrid`, re-exported here).
 """
 
 from __future__ import annotations
@@ -42,23 +45,21 @@ from ..events.log import EventLog
 from ..events.schema import (
     D2H,
     H2D,
-    IndicesMoved,
     OperationQueued,
     OperationsMerged,
     PoolCreated,
-    StreamRecorded,
-    TensorRef,
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy, reap
 from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
 from .closing import end_every_op
-from .describe import describe, submission_refs
-from .index_moves import Expected, IndexNormaliser
+from .describe import submission_refs
+from .index_moves import IndexNormaliser
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
 from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, device_sizes, host_size
+from .reports import RuntimeReports
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
 from .submission import IndexPair, Launcher, Submissions, bytes_by_pool, index_pairs, slots_by_pool
@@ -137,12 +138,10 @@ class HiCacheController:
         # records, no tensor descriptions): the baseline the bench measures against
         self.event_detail = event_detail
         self._detail = event_detail == "full"
-        #: (id(tensor), pool, role) -> the TensorRef the submission in progress described
-        self._submitted_refs: dict[tuple[int, str, str], TensorRef] = {}
-        # the stream record the runtime reports next
-        self._expect_record: Expected | None = None
         #: the index normalisation; its ``expected`` is the move the runtime reports next
         self._moves = IndexNormaliser(self.runtime, io_backend, layout, read_runs=self._detail)
+        #: the runtime's reports of this controller's stream records and index moves
+        self._reports = RuntimeReports(self.runtime, self.log, self._moves)
         observers = getattr(self.runtime, "observers", None)
         if observers is None:
             raise ConfigError(
@@ -150,7 +149,7 @@ class HiCacheController:
                 "(CallObservers): stream records and index moves are reported by the runtime"
             )
         self._unobserve = (
-            observers.add(record=self._report_recorded, move=self._report_moved) if self._detail else (lambda: None)
+            observers.add(record=self._reports.recorded, move=self._reports.moved) if self._detail else (lambda: None)
         )
         self._lock = threading.RLock()
         self._closed = False
@@ -462,41 +461,7 @@ class HiCacheController:
                 self._record_pair(stream, t.pool, t.host_indices, t.device_indices, op)
 
     def _record_pair(self, stream: Any, pool: str, host: torch.Tensor, device: torch.Tensor, op: int) -> None:
-        rt = self.runtime
-        for role, t in (("host", host), ("device", device)):
-            if rt.is_device(t):
-                self._expect_record = Expected(op, pool, role, t)
-                try:
-                    rt.record_stream(t, stream)  # the runtime reports the record it made
-                finally:
-                    self._expect_record = None
-
-    def _report_recorded(self, tensor: torch.Tensor, stream: Any) -> None:
-        """The runtime recorded ``tensor`` on ``stream``: a ``StreamRecorded`` if it is ours."""
-        exp = self._expect_record
-        if exp is None or exp.tensor is not tensor:
-            return  # another controller's record, on a shared runtime
-        op, pool, role, t = exp.op, exp.pool, exp.role, exp.tensor
-        # the submission just described this tensor (the same pool and role)
-        ref = self._submitted_refs.get((id(t), pool, role)) or describe(self.runtime, t, pool, role)
-        self.log.emit(StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref)
-
-    def _report_moved(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The runtime copied index tensor ``src`` to ``dst``: an ``IndicesMoved`` if it is ours
-        (the one place index moves are emitted)."""
-        exp = self._moves.expected
-        if exp is None or exp.tensor is not src:
-            return
-        op, pool, role, known = exp.op, exp.pool, exp.role, exp.known
-        self.log.emit(  # not folded by the bookkeeping: no need of _emit's immediate fold
-            IndicesMoved,
-            op=op,
-            pool=pool,
-            role=role,
-            src_device=self.runtime.tensor_device(src),
-            dst_device=self.runtime.tensor_device(dst),
-            tensor=describe(self.runtime, dst, pool, role, known),
-        )
+        self._reports.record_pair(stream, pool, host, device, op)
 
     # ----------------------------------------------------------- submission
     def _submit(self, op: CacheOperation, direction: str, stream: Any, producer_id: int) -> InFlightCopy:
@@ -527,8 +492,8 @@ class HiCacheController:
             op.id, direction, tuple(op.node_ids), begin, finish, None, slots, sizes, producer_id,
             fault=fault, given=given,
         )
-        if refs:  # the stream records below describe the same tensors: _record_pair reuses these
-            self._submitted_refs = {
+        if refs:  # the stream records below describe the same tensors: they reuse these
+            self._reports.refs = {
                 key: ref
                 for p, rh, rd in zip(pairs, refs[0::2], refs[1::2])
                 for key, ref in (((id(p.host), p.pool, "host"), rh), ((id(p.device), p.pool, "device"), rd))
@@ -553,7 +518,7 @@ class HiCacheController:
             ack.error = f"{type(exc).__name__}: {exc}"
             ack.finish = self._finish_after_refusal(stream, op)
         finally:
-            self._submitted_refs = {}  # keyed by id(): valid only during this submission
+            self._reports.refs = {}  # keyed by id(): valid only during this submission
         self._track(ack)
         self._allocations.pop(op.id)
         return ack

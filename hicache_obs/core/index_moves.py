@@ -8,8 +8,9 @@ device indices to the CPU.
 :class:`IndexNormaliser` normalises one pool's pair; :func:`move_op_indices` every pair of
 an op (the anchor's and each pool transfer's), through the controller's ``move_indices``.
 Nothing here emits: the normaliser says which copy it is making (``expected``) and the
-runtime reports the copy it made to the controller's observer, which then emits
-``IndicesMoved`` (an event only because a copy really received the moved tensor).
+runtime reports the copy it made to the controller's observer
+(:class:`~hicache_obs.core.reports.RuntimeReports`), which then emits ``IndicesMoved``
+(an event only because a copy really received the moved tensor).
 """
 
 from __future__ import annotations

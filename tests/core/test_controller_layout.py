@@ -29,7 +29,7 @@ from hicache_obs.errors import UnresolvedTransferError
 from hicache_obs.events import IndicesMoved, SlotsAllocated, SlotsFreed, expand_runs, fold
 
 CORE = Path(core_pkg.__file__).resolve().parent
-ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing")
+ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing", "reports")
 
 #: calls that do one concept's work -> the one module (of ROOMS) allowed to make them
 CONCEPT_CALLS = {
@@ -46,6 +46,7 @@ CONCEPT_CALLS = {
     "settle": "acks",  # whether an op in flight is done, and how it failed
     "durations": "acks",
     "end_every_op": "controller",  # close(): the one caller
+    "record_stream": "reports",  # a stream record the runtime then reports
 }
 
 
@@ -139,6 +140,10 @@ def test_one_place_builds_every_transfer_submitted() -> None:
     """Launched or not (an index move that refused, a set-up that raised, an op cancelled at
     close), an op's ``TransferSubmitted`` is built in ``Submissions.submitted`` only."""
     assert _uses_of("TransferSubmitted") == ["submission:submitted"]
+
+
+def test_only_the_runtimes_reports_emit_stream_records_and_index_moves() -> None:
+    assert (_uses_of("StreamRecorded"), _uses_of("IndicesMoved")) == (["reports:recorded"], ["reports:moved"])
 
 
 @pytest.mark.parametrize("module", [p.stem for p in sorted(CORE.glob("*.py"))])

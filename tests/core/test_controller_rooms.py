@@ -9,6 +9,7 @@ from collections import deque
 from typing import Any
 
 import pytest
+import torch
 
 from hicache_obs.core.acks import Ack, InFlightCopy, reap
 from hicache_obs.events import expand_runs, fold
@@ -252,3 +253,44 @@ def test_end_every_op_reaps_then_cancels_each_direction_and_leaves_nothing_open(
     assert (freed.tier, freed.reason, freed.op, expand_runs(freed.indices)) == ("device", "failed", 2, loaded.tolist())
     assert c.state.ops == {} and c._ops == {} and not any(c._acks.values())
     assert fold(c.log.events()).snapshot() == c.state.snapshot()
+
+
+# ------------------------------------------------------------------ the runtime's reports
+
+
+def test_the_runtimes_reports_are_events_only_for_the_call_announced_and_reuse_its_description() -> None:
+    """Two controllers' reports on one runtime: a record is reported to both, an event of
+    the one that announced it only, with the description its submission made (the same
+    object); a move is an event only when the normaliser is making it."""
+    from hicache_obs.core import make_runtime
+    from hicache_obs.core.describe import describe
+    from hicache_obs.core.index_moves import IndexNormaliser
+    from hicache_obs.core.reports import RuntimeReports
+    from hicache_obs.events import EventLog, IndicesMoved, StreamRecorded
+
+    rt = make_runtime("sim")
+    logs = [EventLog(), EventLog()]
+    reports = [RuntimeReports(rt, log, IndexNormaliser(rt, "kernel", "layer_first", read_runs=True)) for log in logs]
+    for r in reports:
+        rt.observers.add(record=r.recorded, move=r.moved)
+    stream = rt.stream("side")
+    host, device = torch.tensor([4, 5, 6]), rt.to_device(torch.tensor([1, 2, 3]))
+    assert [len(log) for log in logs] == [0, 0], "a move nobody announced is no one's"
+    ref = describe(rt, device, "kv", "device")
+    reports[0].refs = {(id(device), "kv", "device"): ref}
+    reports[0].record_pair(stream, "kv", host, device, 7)
+    (ev,) = logs[0].events()
+    assert isinstance(ev, StreamRecorded) and ev.tensor is ref
+    assert (ev.op, ev.pool, ev.role, ev.stream) == (7, "kv", "device", "side")
+    assert len(logs[1]) == 0 and reports[0].expected is None
+    reports[0].refs = {}
+    moved_host, _ = reports[1].moves.normalise(host, device, 8, "kv")
+    assert rt.is_device(moved_host)
+    (mv,) = logs[1].events()
+    assert isinstance(mv, IndicesMoved) and (mv.op, mv.role, mv.src_device, mv.dst_device) == (
+        8,
+        "host",
+        "cpu",
+        rt.device,
+    )
+    assert expand_runs(mv.tensor.indices) == [4, 5, 6] and len(logs[0]) == 1

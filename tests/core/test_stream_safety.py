@@ -130,7 +130,7 @@ def _detail_log(spec_name: str, fault: str | None) -> list[object]:
     log = EventLog(capacity=None)
     c = make_controller(spec, fault=fault, log=log, runtime="sim", event_detail="full", **controller_options(spec))
     Workload(c, seed=5).run(80)
-    assert not c._submitted_refs  # nothing keyed by id() outlives a submission
+    assert not c._reports.refs  # nothing keyed by id() outlives a submission
     c.close()
 
     def strip(x: object) -> object:
@@ -148,11 +148,11 @@ def _detail_log(spec_name: str, fault: str | None) -> list[object]:
 def test_stream_records_reuse_the_submissions_descriptions_exactly(
     spec_name: str, fault: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hicache_obs.core.controller import HiCacheController
+    from hicache_obs.core.reports import RuntimeReports
 
     reused = _detail_log(spec_name, fault)
     assert sum(1 for e in reused if e["type"] == "StreamRecorded") > 20  # type: ignore[index]
     # every stream record describes its tensor anew: what the reuse must equal
-    monkeypatch.setattr(HiCacheController, "_submitted_refs", property(lambda self: {}, lambda self, v: None), raising=False)
+    monkeypatch.setattr(RuntimeReports, "refs", property(lambda self: {}, lambda self, v: None))
     fresh = _detail_log(spec_name, fault)
     assert reused == fresh
