@@ -37,8 +37,6 @@ from ..errors import (
     ControllerClosedError,
     HiCacheError,
     InvalidIndicesError,
-    UnknownBackendError,
-    UnknownLayoutError,
     UnknownPoolError,
 )
 from ..events.log import EventLog
@@ -47,7 +45,6 @@ from ..events.schema import (
     H2D,
     OperationQueued,
     OperationsMerged,
-    PoolCreated,
 )
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy, reap
@@ -58,13 +55,13 @@ from .index_moves import IndexNormaliser
 from .layers import LayerDoneCounter
 from .operations import CacheOperation, PoolTransfer, merge_ops
 from .policy import WritePolicy
-from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, device_sizes, host_size
+from .pools import DevicePool, HostPool, SlotAllocator, device_sizes, make_pools
 from .reports import RuntimeReports
 from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
 from .submission import IndexPair, Launcher, Submissions, bytes_by_pool, index_pairs, slots_by_pool
-from .transfer import IO_BACKENDS, CopyFault
-from .validation import check_index_pair, check_index_tensor, check_request, check_transfers
+from .transfer import CopyFault
+from .validation import check_index_pair, check_index_tensor, check_options, check_request, check_transfers
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
 
@@ -100,22 +97,15 @@ class HiCacheController:
         enable_timing: bool = True,
         event_detail: str = "full",
     ) -> None:
-        if io_backend not in IO_BACKENDS:
-            raise UnknownBackendError(f"unknown io backend {io_backend!r}; expected one of {', '.join(IO_BACKENDS)}")
-        if layout not in LAYOUTS:
-            raise UnknownLayoutError(f"unknown host layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-        if io_backend == "kernel" and layout == "page_first_direct":
-            raise UnknownLayoutError("host layout 'page_first_direct' needs io backend 'direct', got 'kernel'")
-        if type(self) is HiCacheController and spec.is_hybrid:
-            raise ConfigError(
-                f"model {spec.name!r} is hybrid (pools {', '.join(spec.pool_names)}); use HybridCacheController"
-            )
-        if device_size <= 0 or device_size % spec.page_size:
-            raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
-        if host_bytes is None and host_ratio <= 0:
-            raise ConfigError(f"host_ratio must be > 0, got {host_ratio}")
-        if host_bytes is not None and host_bytes <= 0:
-            raise ConfigError(f"host_bytes must be > 0, got {host_bytes}")
+        check_options(
+            spec,
+            io_backend=io_backend,
+            layout=layout,
+            device_size=device_size,
+            host_ratio=host_ratio,
+            host_bytes=host_bytes,
+            plain=type(self) is HiCacheController,
+        )
         self.spec = spec
         self.runtime: Runtime = make_runtime(runtime)
         self.io_backend = io_backend
@@ -159,30 +149,16 @@ class HiCacheController:
         self._allocations = PoolAllocations(self._alloc)
         self._acks: dict[str, deque[InFlightCopy]] = {D2H: deque(), H2D: deque()}
 
-        sizes = device_sizes(spec, device_size, pool_sizes or {})
-        ratio = host_ratio
-        if host_bytes is not None:
-            total = sum(sizes[p] * spec.slot_bytes(p) for p in spec.pool_names)
-            ratio = host_bytes / total
-        self.device_pools: dict[str, DevicePool] = {}
-        self.host_pools: dict[str, HostPool] = {}
-        for name in spec.pool_names:
-            ps = 1 if name == "mamba" else spec.page_size
-            dev = DevicePool(name, spec, sizes[name], ps, self.runtime)
-            host_layout = "page_first" if layout == "page_first_direct" else layout
-            hsize = host_size(sizes[name], 1 if name == "mamba" else spec.page_size, ratio=ratio)
-            host = HostPool(name, spec, hsize, ps, host_layout, self.runtime)
-            for pool, tier, cap, sb, lay in (
-                (dev, "device", dev.size, dev.slot_bytes, "layer_first"),
-                (host, "host", host.size, host.slot_bytes, layout),
-            ):
-                self._emit(
-                    PoolCreated, pool=name, tier=tier, capacity=cap, page_size=ps, slot_bytes=sb, layout=lay
-                )
-                pool.allocator = SlotAllocator(name, tier, self.state.table(name, tier), self._emit, self.runtime)
-            self.device_pools[name] = dev
-            self.host_pools[name] = host
-
+        self.device_pools, self.host_pools = make_pools(
+            spec,
+            device_sizes(spec, device_size, pool_sizes or {}),
+            host_ratio=host_ratio,
+            host_bytes=host_bytes,
+            layout=layout,
+            runtime=self.runtime,
+            emit=self._emit,
+            table=self.state.table,
+        )
         self.write_stream = self.runtime.stream("hicache-write")
         self.load_stream = self.runtime.stream("hicache-load")
         self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)

@@ -27,7 +27,7 @@ from ..errors import (
     SlotNotAllocatedError,
     UnknownPoolError,
 )
-from ..events.schema import AllocationFailed, SlotsAllocated, SlotsFreed, runs_from_list
+from ..events.schema import AllocationFailed, PoolCreated, SlotsAllocated, SlotsFreed, runs_from_list
 from ..events.state import SlotTable
 from .runtime import Runtime
 from .spec import ModelSpec
@@ -39,6 +39,7 @@ __all__ = [
     "HostPool",
     "device_sizes",
     "host_size",
+    "make_pools",
     "indices_list",
 ]
 
@@ -71,6 +72,44 @@ def device_sizes(spec: ModelSpec, device_size: int, pool_sizes: dict[str, int]) 
         if n <= 0 or n % ps:
             raise ConfigError(f"device size of pool {name!r} must be a positive multiple of {ps}, got {n}")
     return sizes
+
+
+def make_pools(
+    spec: ModelSpec,
+    sizes: dict[str, int],
+    *,
+    host_ratio: float,
+    host_bytes: int | None,
+    layout: str,
+    runtime: Runtime,
+    emit: Emit,
+    table: Callable[[str, str], SlotTable],
+) -> tuple[dict[str, DevicePool], dict[str, HostPool]]:
+    """The device and host pool of each of ``spec``'s pools, ``sizes`` device slots each
+    (:func:`device_sizes`) and a host of ``host_ratio`` times that, or ``host_bytes`` in all;
+    each pool's ``PoolCreated`` (device, then host) is ``emit``-ted before its allocator,
+    whose state is ``table(pool, tier)``, is made."""
+    ratio = host_ratio
+    if host_bytes is not None:
+        total = sum(sizes[p] * spec.slot_bytes(p) for p in spec.pool_names)
+        ratio = host_bytes / total
+    device_pools: dict[str, DevicePool] = {}
+    host_pools: dict[str, HostPool] = {}
+    for name in spec.pool_names:
+        ps = 1 if name == "mamba" else spec.page_size
+        dev = DevicePool(name, spec, sizes[name], ps, runtime)
+        host_layout = "page_first" if layout == "page_first_direct" else layout
+        hsize = host_size(sizes[name], 1 if name == "mamba" else spec.page_size, ratio=ratio)
+        host = HostPool(name, spec, hsize, ps, host_layout, runtime)
+        for pool, tier, cap, sb, lay in (
+            (dev, "device", dev.size, dev.slot_bytes, "layer_first"),
+            (host, "host", host.size, host.slot_bytes, layout),
+        ):
+            emit(PoolCreated, pool=name, tier=tier, capacity=cap, page_size=ps, slot_bytes=sb, layout=lay)
+            pool.allocator = SlotAllocator(name, tier, table(name, tier), emit, runtime)
+        device_pools[name] = dev
+        host_pools[name] = host
+    return device_pools, host_pools
 
 
 def host_size(device_slots: int, page_size: int, *, ratio: float) -> int:

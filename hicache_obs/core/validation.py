@@ -1,7 +1,8 @@
 """The checks a controller runs on what a caller hands it, before anything is allocated.
 
 Each raises the project's error for bad input (naming the argument, the pool and the
-value) and changes nothing: :func:`check_index_tensor` for one index tensor of one pool
+value) and changes nothing: :func:`check_options` for a new controller's configuration,
+:func:`check_index_tensor` for one index tensor of one pool
 and tier, :func:`check_transfers` for a request's sidecar pool transfers,
 :func:`check_request` for its priority and node id, :func:`check_index_pair` for the pair
 handed to ``move_indices``. The controller calls them under its
@@ -16,20 +17,52 @@ from typing import Any
 import torch
 
 from ..errors import (
+    ConfigError,
     InvalidIndicesError,
     PageSizeError,
     SlotNotAllocatedError,
+    UnknownBackendError,
+    UnknownLayoutError,
     UnknownPoolError,
     UnresolvedTransferError,
 )
 from ..events.schema import D2H
 from .operations import PoolTransfer
-from .pools import SlotAllocator
+from .pools import LAYOUTS, SlotAllocator
 from .runtime import Runtime
 from .spec import ANCHOR, ModelSpec
 from .tensors import subclass_problem, tensor_problem
+from .transfer import IO_BACKENDS
 
-__all__ = ["check_index_pair", "check_index_tensor", "check_request", "check_transfers"]
+__all__ = ["check_index_pair", "check_index_tensor", "check_options", "check_request", "check_transfers"]
+
+
+def check_options(
+    spec: ModelSpec,
+    *,
+    io_backend: str,
+    layout: str,
+    device_size: int,
+    host_ratio: float,
+    host_bytes: int | None,
+    plain: bool,
+) -> None:
+    """A controller's io backend, host layout and sizes; ``plain``: the controller is a
+    :class:`~hicache_obs.core.controller.HiCacheController`, which refuses a hybrid model."""
+    if io_backend not in IO_BACKENDS:
+        raise UnknownBackendError(f"unknown io backend {io_backend!r}; expected one of {', '.join(IO_BACKENDS)}")
+    if layout not in LAYOUTS:
+        raise UnknownLayoutError(f"unknown host layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if io_backend == "kernel" and layout == "page_first_direct":
+        raise UnknownLayoutError("host layout 'page_first_direct' needs io backend 'direct', got 'kernel'")
+    if plain and spec.is_hybrid:
+        raise ConfigError(f"model {spec.name!r} is hybrid (pools {', '.join(spec.pool_names)}); use HybridCacheController")
+    if device_size <= 0 or device_size % spec.page_size:
+        raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
+    if host_bytes is None and host_ratio <= 0:
+        raise ConfigError(f"host_ratio must be > 0, got {host_ratio}")
+    if host_bytes is not None and host_bytes <= 0:
+        raise ConfigError(f"host_bytes must be > 0, got {host_bytes}")
 
 
 def check_index_tensor(

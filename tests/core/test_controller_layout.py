@@ -47,6 +47,8 @@ CONCEPT_CALLS = {
     "durations": "acks",
     "end_every_op": "controller",  # close(): the one caller
     "record_stream": "reports",  # a stream record the runtime then reports
+    "DevicePool": "pools",  # a controller's pools are made by pools.make_pools
+    "HostPool": "pools",
 }
 
 

@@ -294,3 +294,56 @@ def test_the_runtimes_reports_are_events_only_for_the_call_announced_and_reuse_i
         rt.device,
     )
     assert expand_runs(mv.tensor.indices) == [4, 5, 6] and len(logs[0]) == 1
+
+
+# ------------------------------------------------------------------ configuration and pools
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny_hybrid", "tiny_swa"])
+def test_make_pools_creates_what_a_controller_logs_at_birth(spec: str) -> None:
+    """Pools and their ``PoolCreated`` events (device, then host, per pool), the host sized
+    from ``host_bytes`` across pools: what a controller with those options holds and logs."""
+    from hicache_obs.core import HybridCacheController, ModelSpec, make_runtime
+    from hicache_obs.core.pools import device_sizes, make_pools
+    from hicache_obs.events import EventLog
+    from hicache_obs.events.state import CacheState
+
+    s = ModelSpec.preset(spec)
+    log, state = EventLog(), CacheState()
+
+    def emit(cls: type, **fields: Any) -> Any:  # the controller's: append, and fold at once
+        ev = log.emit(cls, **fields)
+        state.apply(ev)
+        return ev
+
+    dev, host = make_pools(
+        s, device_sizes(s, 64, {}), host_ratio=2.0, host_bytes=1 << 20, layout="page_first_direct",
+        runtime=make_runtime("cpu"), emit=emit, table=state.table,
+    )  # fmt: skip
+    opts = {"device_size": 64, "host_bytes": 1 << 20, "layout": "page_first_direct", "io_backend": "direct"}
+    with HybridCacheController(s, runtime="cpu", **opts) as c:  # type: ignore[arg-type]
+        assert [_without(e) for e in log.events()] == [
+            _without(e) for e in c.log.events() if type(e).__name__ == "PoolCreated"
+        ]
+        assert {p: (d.size, host[p].size, host[p].layout) for p, d in dev.items()} == {
+            p: (c.device_pool(p).size, c.host_pool(p).size, "page_first") for p in s.pool_names
+        }
+        assert state.snapshot() == c.state.snapshot()
+        assert all(host[p].allocator.table is state.table(p, "host") for p in s.pool_names)
+
+
+def test_the_configuration_is_checked_in_the_order_the_controller_always_did() -> None:
+    """A hybrid model on the plain controller is named before a bad device size."""
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.core.validation import check_options
+    from hicache_obs.errors import ConfigError, UnknownLayoutError
+
+    hybrid = ModelSpec.preset("tiny_hybrid")
+    opts = {"io_backend": "kernel", "layout": "layer_first", "device_size": 3, "host_ratio": 2.0, "host_bytes": None}
+    with pytest.raises(ConfigError, match=r"model 'tiny_hybrid' is hybrid .*; use HybridCacheController"):
+        check_options(hybrid, **opts, plain=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"device_size must be a positive multiple of page size 16, got 3"):
+        check_options(hybrid, **opts, plain=False)  # type: ignore[arg-type]
+    with pytest.raises(UnknownLayoutError, match=r"'page_first_direct' needs io backend 'direct', got 'kernel'"):
+        check_options(hybrid, **dict(opts, layout="page_first_direct"), plain=True)  # type: ignore[arg-type]
+    check_options(hybrid, **dict(opts, device_size=64), plain=False)  # type: ignore[arg-type]
