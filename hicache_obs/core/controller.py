@@ -11,13 +11,14 @@ several threads are serialised; events are appended under the log's lock with
 gap-free ``seq``.
 
 This module is the facade: the lock, the queues, the public methods and the hot path of
-a submission (``_submit``). Each concept has a module of its own: input checks
-(:mod:`.validation`), pool sizes and pools (:mod:`.pools`), multi-pool allocation and
-alias resolution (:mod:`.allocation`), index normalisation (:mod:`.index_moves`), tensor
-descriptions (:mod:`.describe`), index pairs, copy launches and every
-``TransferSubmitted`` (:mod:`.submission`), the runtime's reports of stream records and
-index moves (:mod:`.reports`), transfers in flight and their FIFO reaping (:mod:`.acks`),
-the ending of every op at close (:mod:`.closing`), and :class:`HybridCacheController`
+a submission (``_submit``). Each concept has a module of its own: input and configuration
+checks (:mod:`.validation`), pool sizes and pools (:mod:`.pools`), the admission of a
+write or load (:mod:`.admission`), multi-pool allocation and alias resolution
+(:mod:`.allocation`), index normalisation (:mod:`.index_moves`), tensor descriptions
+(:mod:`.describe`), index pairs, copy launches and every ``TransferSubmitted``
+(:mod:`.submission`), the runtime's reports of stream records and index moves
+(:mod:`.reports`), transfers in flight and their FIFO reaping (:mod:`.acks`), the ending
+of every op at close (:mod:`.closing`), and :class:`HybridCacheController`
 (:mod:`.hybrid`, re-exported here).
 """
 
@@ -32,23 +33,13 @@ from typing import Any
 
 import torch
 
-from ..errors import (
-    ConfigError,
-    ControllerClosedError,
-    HiCacheError,
-    InvalidIndicesError,
-    UnknownPoolError,
-)
+from ..errors import ConfigError, ControllerClosedError, HiCacheError, UnknownPoolError
 from ..events.log import EventLog
-from ..events.schema import (
-    D2H,
-    H2D,
-    OperationQueued,
-    OperationsMerged,
-)
+from ..events.schema import D2H, H2D, OperationQueued, OperationsMerged
 from ..events.state import CacheState
 from .acks import Ack, Given, InFlightCopy, reap
-from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
+from .admission import Admission
+from .allocation import PoolAllocations
 from .closing import end_every_op
 from .describe import submission_refs
 from .index_moves import IndexNormaliser
@@ -61,7 +52,7 @@ from .runtime import DeviceEvent, Runtime, make_runtime
 from .spec import ANCHOR, ModelSpec
 from .submission import IndexPair, Launcher, Submissions, bytes_by_pool, index_pairs, slots_by_pool
 from .transfer import CopyFault
-from .validation import check_index_pair, check_index_tensor, check_options, check_request, check_transfers
+from .validation import check_index_pair, check_index_tensor, check_options
 
 __all__ = ["Ack", "HiCacheController", "HybridCacheController", "ANCHOR", "EVENT_DETAILS"]
 
@@ -148,6 +139,7 @@ class HiCacheController:
         #: the slots allocated for each op, until it is reaped (close frees a failed op's)
         self._allocations = PoolAllocations(self._alloc)
         self._acks: dict[str, deque[InFlightCopy]] = {D2H: deque(), H2D: deque()}
+        self._admission = Admission(spec, self.runtime, self._allocations, self._validate, self._pool, self._new_id)
 
         self.device_pools, self.host_pools = make_pools(
             spec,
@@ -271,45 +263,6 @@ class HiCacheController:
         return None if res is None else res[0]
 
     # ------------------------------------------------------------ write / load
-    def _check_transfers(
-        self, pool_transfers: Sequence[PoolTransfer] | None, direction: str
-    ) -> tuple[PoolTransfer, ...] | None:
-        return check_transfers(pool_transfers, direction, self.spec, self._pool)
-
-    def _admit(
-        self,
-        direction: str,
-        given: torch.Tensor,
-        priority: int | None,
-        node_id: int,
-        pool_transfers: Sequence[PoolTransfer] | None,
-    ) -> tuple[int, list[torch.Tensor], tuple[PoolTransfer, ...] | None] | None:
-        """Validate a write (``given`` = device indices) or a load (``given`` = host indices)
-        and allocate the other side in every pool at once; None when a pool is short."""
-        have, need = ("device", "host") if direction == D2H else ("host", "device")
-        arg, other = f"{have}_indices", f"{need}_indices"
-        self._check_open()
-        check_request(priority, node_id)
-        transfers = self._check_transfers(pool_transfers, direction)
-        self._validate(given, arg=arg, pool=ANCHOR, tier=have, allow_empty=bool(transfers))
-        reqs = [(ANCHOR, need, given.numel())]
-        for t in transfers or ():
-            if t.indices_from_pool is not None:
-                continue
-            mine = getattr(t, arg)
-            self._validate(mine, arg=arg, pool=t.pool, tier=have)
-            if getattr(t, other) is not None:
-                raise InvalidIndicesError(
-                    f"pool transfer {t.pool!r}: {other} must be None for a "
-                    f"{'write' if direction == D2H else 'load'} (the controller allocates them)"
-                )
-            reqs.append((t.pool, need, mine.numel()))
-        op_id = self._new_id()
-        allocated = self._allocations.take(reqs, op_id)
-        if allocated is None:
-            return None
-        return op_id, allocated, transfers
-
     def _write(
         self,
         device_indices: torch.Tensor,
@@ -318,29 +271,13 @@ class HiCacheController:
         pool_transfers: Sequence[PoolTransfer] | None,
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
-            admitted = self._admit(D2H, device_indices, priority, node_id, pool_transfers)
-            if admitted is None:
+            self._check_open()
+            op = self._admission.admit(D2H, device_indices, priority, node_id, pool_transfers)
+            if op is None:
                 return None
-            op_id, allocated, transfers = admitted
-            host = allocated[0]
-            try:
-                resolved = resolve_aliases(
-                    host, device_indices, resolve_allocated(transfers, allocated[1:], "host")
-                )
-                op = CacheOperation(
-                    host_indices=host,
-                    device_indices=device_indices,
-                    node_ids=(node_id,),
-                    priority=priority,
-                    id=op_id,
-                    pool_transfers=resolved,
-                )
-            except BaseException:
-                self._allocations.roll_back(op_id)
-                raise
             self._queue(op, D2H)
             self.start_writing()
-            return host, resolved
+            return op.host_indices, op.pool_transfers
 
     def _load(
         self,
@@ -350,31 +287,12 @@ class HiCacheController:
         pool_transfers: Sequence[PoolTransfer] | None,
     ) -> tuple[torch.Tensor, tuple[PoolTransfer, ...] | None] | None:
         with self._lock:
-            admitted = self._admit(H2D, host_indices, priority, node_id, pool_transfers)
-            if admitted is None:
+            self._check_open()
+            op = self._admission.admit(H2D, host_indices, priority, node_id, pool_transfers)
+            if op is None:
                 return None
-            op_id, allocated, transfers = admitted
-            to_dev = self.runtime.to_device
-            try:  # a runtime that fails to move the new slots' indices: nothing stays allocated
-                device = to_dev(allocated[0])
-                resolved = resolve_aliases(
-                    host_indices,
-                    device,
-                    resolve_allocated(transfers, [to_dev(t) for t in allocated[1:]], "device"),
-                )
-                op = CacheOperation(
-                    host_indices=host_indices,
-                    device_indices=device,
-                    node_ids=(node_id,),
-                    priority=priority,
-                    id=op_id,
-                    pool_transfers=resolved,
-                )
-            except BaseException:
-                self._allocations.roll_back(op_id)
-                raise
             self._queue(op, H2D)
-            return device, resolved
+            return op.device_indices, op.pool_transfers
 
     def _queue(self, op: CacheOperation, direction: str) -> None:
         self._ops[op.id] = op

@@ -29,7 +29,9 @@ from hicache_obs.errors import UnresolvedTransferError
 from hicache_obs.events import IndicesMoved, SlotsAllocated, SlotsFreed, expand_runs, fold
 
 CORE = Path(core_pkg.__file__).resolve().parent
-ROOMS = ("controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing", "reports")
+ROOMS = (
+    "controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing", "reports", "admission",
+)  # fmt: skip
 
 #: calls that do one concept's work -> the one module (of ROOMS) allowed to make them
 CONCEPT_CALLS = {
@@ -47,6 +49,10 @@ CONCEPT_CALLS = {
     "durations": "acks",
     "end_every_op": "controller",  # close(): the one caller
     "record_stream": "reports",  # a stream record the runtime then reports
+    "check_request": "admission",  # a write's or load's checks, allocation and op
+    "check_transfers": "admission",
+    "resolve_allocated": "admission",
+    "resolve_aliases": "admission",
     "DevicePool": "pools",  # a controller's pools are made by pools.make_pools
     "HostPool": "pools",
 }
@@ -103,7 +109,7 @@ def test_the_controller_defines_no_normalisation_allocation_or_description() -> 
         "_move_checked", "_move", "_move_hybrid", "_alloc_many", "_rollback", "_free_given",
         "_resolve_allocated", "_materialise_aliases", "_ref", "_submit_refs", "_pairs", "_runs_for",
         "_slots_by_pool", "IndexPair", "_Expected", "HybridCacheController",
-        "_reap", "_end_unstarted", "_device_sizes",
+        "_reap", "_end_unstarted", "_device_sizes", "_admit", "_check_transfers",
     }  # fmt: skip
     assert defined & gone == set()
     assert [n.name for n in tree.body if isinstance(n, ast.ClassDef)] == ["HiCacheController"]

@@ -347,3 +347,55 @@ def test_the_configuration_is_checked_in_the_order_the_controller_always_did() -
     with pytest.raises(UnknownLayoutError, match=r"'page_first_direct' needs io backend 'direct', got 'kernel'"):
         check_options(hybrid, **dict(opts, layout="page_first_direct"), plain=True)  # type: ignore[arg-type]
     check_options(hybrid, **dict(opts, device_size=64), plain=False)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ admission
+
+
+def test_admission_checks_each_tensor_in_order_then_takes_every_pools_slots_or_none(make_controller) -> None:
+    """The anchor's tensor is checked first, then each transfer's; the op holds new slots in
+    new transfers; a runtime that fails to move a load's new slots leaves none taken; a pool
+    that is short takes none; a transfer that names the side to allocate is refused."""
+    from hicache_obs.core import PoolTransfer
+    from hicache_obs.core.admission import Admission
+    from hicache_obs.core.allocation import PoolAllocations
+    from hicache_obs.errors import InvalidIndicesError
+    from hicache_obs.events.schema import D2H, H2D
+
+    c = make_controller(spec="tiny_hybrid", runtime="cpu", device_size=64)
+    checked: list[tuple[str, str, str]] = []
+
+    def validate(t: Any, *, arg: str, pool: str, tier: str, allow_empty: bool = False) -> None:
+        checked.append((arg, pool, tier))
+
+    ids = iter(range(100, 200))
+    allocations = PoolAllocations(
+        lambda pool, tier: (c.host_pool(pool) if tier == "host" else c.device_pool(pool)).allocator
+    )
+    admission = Admission(c.spec, c.runtime, allocations, validate, lambda p, t: c.device_pool(p), lambda: next(ids))
+    kv, mamba = c.alloc_device(16), c.alloc_device(2, pool="mamba")
+    theirs = (PoolTransfer("mamba", device_indices=mamba),)
+    op = admission.admit(D2H, kv, None, 5, theirs)
+    assert op is not None and checked == [("device_indices", "kv", "device"), ("device_indices", "mamba", "device")]
+    assert (op.id, op.node_ids, op.priority, op.device_indices is kv) == (100, (5,), 100, True)
+    assert op.pool_transfers[0].host_indices is not None and theirs[0].host_indices is None, "a new transfer"
+    assert [(p, t, s.tolist()) for p, t, s in allocations.given(100)] == [
+        ("kv", "host", op.host_indices.tolist()),
+        ("mamba", "host", op.pool_transfers[0].host_indices.tolist()),
+    ]
+    used = {k: t.used for k, t in c.state.tables.items()}
+
+    def refuse(t: Any) -> Any:
+        raise RuntimeError("the runtime cannot move them")
+
+    admission.runtime = type("Refusing", (), {"to_device": staticmethod(refuse)})()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="cannot move them"):
+        admission.admit(
+            H2D, op.host_indices, None, 6, (PoolTransfer("mamba", host_indices=op.pool_transfers[0].host_indices),)
+        )
+    assert {k: t.used for k, t in c.state.tables.items()} == used and allocations.given(101) == ()
+    room = c.host_pool("kv").allocator.available()  # a write takes host slots
+    assert admission.admit(D2H, torch.arange(room + 16), None, 7, None) is None
+    assert {k: t.used for k, t in c.state.tables.items()} == used
+    with pytest.raises(InvalidIndicesError, match=r"pool transfer .mamba.: host_indices must be None for a write"):
+        admission.admit(D2H, kv, None, 8, (PoolTransfer("mamba", device_indices=mamba, host_indices=mamba),))
