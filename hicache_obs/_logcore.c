@@ -284,6 +284,21 @@ static void hold_error(PyObject **held) {
         *held = v;
 }
 
+/* The Exception that `fn` raised on `ev` (set, and an Exception) goes to
+ * EventLog._subscriber_failed(fn, ev, exc); returns its result (NULL: that raised too). */
+static PyObject *report_failure(LogCore *self, PyObject *fn, PyObject *ev) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb)
+        PyException_SetTraceback(v, tb);
+    PyObject *r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, fn, ev, v, NULL);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return r;
+}
+
 /* Hand one event to every subscriber, in order. A subscriber that raises an Exception is
  * reported to EventLog._subscriber_failed(fn, ev, exc) and the rest still run; anything
  * else (KeyboardInterrupt) is held in *held (see hold_error) and the rest still run. */
@@ -298,15 +313,7 @@ static void deliver(LogCore *self, PyObject *ev, PyObject **held) {
                 Py_DECREF(fn);
                 continue;
             }
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            PyErr_NormalizeException(&t, &v, &tb);
-            if (tb)
-                PyException_SetTraceback(v, tb);
-            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, fn, ev, v, NULL);
-            Py_XDECREF(t);
-            Py_XDECREF(v);
-            Py_XDECREF(tb);
+            r = report_failure(self, fn, ev);
             if (!r) {
                 hold_error(held);
                 Py_DECREF(fn);
@@ -536,20 +543,7 @@ static int run_stages(LogCore *self, PyObject *ev, long long seq, PyObject **out
         Py_INCREF(stage);
         PyObject *r = PyObject_CallOneArg(stage, ev);
         if (!r) {
-            if (!PyErr_ExceptionMatches(PyExc_Exception)) {
-                Py_DECREF(stage);
-                Py_XDECREF(found);
-                return -1;
-            }
-            PyObject *t, *v, *tb;
-            PyErr_Fetch(&t, &v, &tb);
-            PyErr_NormalizeException(&t, &v, &tb);
-            if (tb)
-                PyException_SetTraceback(v, tb);
-            r = PyObject_CallMethodObjArgs((PyObject *)self, str_failed, stage, ev, v, NULL);
-            Py_XDECREF(t);
-            Py_XDECREF(v);
-            Py_XDECREF(tb);
+            r = PyErr_ExceptionMatches(PyExc_Exception) ? report_failure(self, stage, ev) : NULL;
             if (!r) {
                 Py_DECREF(stage);
                 Py_XDECREF(found);

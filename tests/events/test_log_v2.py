@@ -17,7 +17,6 @@ import msgspec
 import pytest
 from goldens import FIXTURE_V2, REGENERATE, REPO, check_golden
 
-from hicache_obs.cli import main
 from hicache_obs.events import AuditViolation
 from hicache_obs.events.audit import audit, audited
 from hicache_obs.events.replay import read_segments, replay
@@ -25,19 +24,6 @@ from hicache_obs.events.schema import LOG_FORMAT_VERSION, READABLE_VERSIONS, Tra
 from hicache_obs.exporters.structlog_sink import StructlogSink
 
 SEGMENT = REPO / FIXTURE_V2 / "events-0-00000.jsonl"
-
-
-@pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    monkeypatch.chdir(REPO)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_the_fixture_is_of_the_current_version() -> None:

@@ -18,27 +18,12 @@ import msgspec
 import pytest
 from goldens import FIXTURE, REGENERATE, REPO, check_golden
 
-from hicache_obs.cli import main
 from hicache_obs.errors import LogFormatError, UnsupportedLogVersionError
 from hicache_obs.events.replay import TornLine, read_file, read_segments, replay
 from hicache_obs.events.schema import LOG_FORMAT
 from hicache_obs.events.store import JsonlStore, segment_header
 
 V1 = FIXTURE
-
-
-@pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """``cli(*argv) -> (exit code, stdout, stderr)``, run in-process from the repository root."""
-    monkeypatch.chdir(REPO)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main(list(argv))
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_v1_fixture_replays(cli, tmp_path: Path) -> None:
