@@ -14,8 +14,7 @@ import json
 from pathlib import Path
 
 import msgspec
-import pytest
-from goldens import FIXTURE_V2, REGENERATE, REPO, check_golden
+from goldens import FIXTURE_V2, REPO, check_fixture_outputs
 
 from hicache_obs.events import AuditViolation
 from hicache_obs.events.audit import audit, audited
@@ -34,28 +33,9 @@ def test_the_fixture_is_of_the_current_version() -> None:
 
 
 def test_current_version_fixture_replays(cli, tmp_path: Path) -> None:
-    code, out, err = cli("audit", FIXTURE_V2, "--json")
-    assert code == 1, err  # the fixture's fault: violations
-    check_golden("audit.json", out.encode(), version=2)
-    found = json.loads(out)
+    found, _ = check_fixture_outputs(cli, 2, tmp_path)
     assert found["events"] == 807 and found["torn_lines"] == []
     assert {v["rule"] for v in found["violations"]} == {"unrecorded_index"}
-
-    code, out, err = cli("inspect", FIXTURE_V2, "--json")
-    assert code == 0, err
-    check_golden("inspect.json", out.encode(), version=2)
-
-    trace, otlp = tmp_path / "trace.json", tmp_path / "otlp.json"
-    code, _, err = cli("export", FIXTURE_V2, "--chrome-trace", str(trace), "--otlp-json", str(otlp))
-    assert code == 0, err
-    check_golden("chrome_trace.json", trace.read_bytes(), version=2)
-    check_golden("otlp.json", otlp.read_bytes(), version=2)
-    if REGENERATE:
-        pytest.skip("regenerated the v2 goldens")
-    whole = replay(REPO / FIXTURE_V2, audit=True)
-    streamed = replay(REPO / FIXTURE_V2, audit=True, keep_events=False)
-    assert whole.n_events == streamed.n_events == 807
-    assert len(whole.findings) == len(streamed.findings) == len(found["violations"])
 
 
 def _no_seq(ev: object) -> dict[str, object]:
