@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hicache_obs.core import HiCacheController, PoolTransfer
+from hicache_obs.events.schema import (
+    PoolCreated,
+    SlotsAllocated,
+    SlotsFreed,
+    TensorRef,
+    TransferCompleted,
+    TransferFailed,
+    TransferSubmitted,
+)
 
 
 def run_workload(c: HiCacheController, rounds: int = 6, tokens: int = 32, *, poll: bool = True) -> dict[str, int]:
@@ -60,3 +71,70 @@ def fill(c: HiCacheController, pool: str, idx: torch.Tensor, seed: int) -> dict[
     }
     dp.write_slots(idx, data)
     return data
+
+
+def hybrid_round_trip(
+    c: HiCacheController, *, with_data: bool = False, evict_host_first: bool = False, double_evict: bool = False
+) -> None:
+    """A hybrid write and load back of one node (the scenario each fault shows itself in):
+    ``with_data`` fills the slots first; ``evict_host_first`` evicts the host copy before
+    the load (``double_evict``: twice, and no load)."""
+    kv = c.alloc_device(32)
+    mb = c.alloc_device(1, pool="mamba")
+    if with_data:
+        fill(c, "kv", kv, 1)
+        fill(c, "mamba", mb, 2)
+    host, tr = c.write(kv, node_id=7, pool_transfers=[PoolTransfer("mamba", device_indices=mb)])
+    c.poll_writes()
+    c.evict_device(kv)
+    c.evict_device(mb, pool="mamba")
+    if evict_host_first:
+        c.evict_host(host)
+        if double_evict:
+            c.evict_host(host)
+            return
+    c.load(host, node_id=7, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
+    c.start_loading()
+    c.poll_loads()
+
+
+class EventList:
+    """Builds a gap-free event sequence for one rank."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def add(self, cls: type, **fields: Any) -> None:
+        self.events.append(cls(seq=len(self.events), ts_ns=1_000 + len(self.events), **fields))
+
+    def pool(self, capacity: int = 1024) -> EventList:
+        self.add(PoolCreated, pool="kv", tier="host", capacity=capacity, page_size=1, slot_bytes=2, layout="layer_first")
+        return self
+
+    def alloc(self, *runs: tuple[int, int]) -> None:
+        self.add(SlotsAllocated, pool="kv", tier="host", indices=tuple(runs))
+
+    def free(self, *runs: tuple[int, int]) -> None:
+        self.add(SlotsFreed, pool="kv", tier="host", indices=tuple(runs), reason="evict")
+
+    def submit(self, op: int, *runs: tuple[int, int]) -> None:
+        n = sum(length for _, length in runs)
+        ref = TensorRef(pool="kv", role="host", device="cpu", numel=n, dtype="int64", ptr=1, indices=tuple(runs))
+        self.add(
+            TransferSubmitted,
+            op=op,
+            direction="d2h",
+            stream="hicache-write",
+            io_backend="direct",
+            layout="layer_first",
+            tensors=(ref,),
+            slots_by_pool=(("kv", n),),
+            bytes_by_pool=(("kv", 2 * n),),
+            device="cpu",
+        )
+
+    def done(self, op: int) -> None:
+        self.add(TransferCompleted, op=op, direction="d2h", duration_ns=5)
+
+    def failed(self, op: int) -> None:
+        self.add(TransferFailed, op=op, direction="d2h", error="refused")

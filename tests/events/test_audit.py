@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from event_workloads import fill, run_workload
+from event_workloads import fill, hybrid_round_trip, run_workload
 
 from hicache_obs.core import ModelSpec, PoolTransfer
 from hicache_obs.events import AuditViolation
@@ -22,23 +22,8 @@ def _pairs(findings: list[Finding]) -> set[tuple[str, str, str]]:
     return {(f.rule, f.pool, f.role) for f in findings}
 
 
-def _hybrid_round_trip(c, *, evict_host_first: bool = False, double_evict: bool = False) -> None:
-    kv = c.alloc_device(32)
-    mb = c.alloc_device(1, pool="mamba")
-    fill(c, "kv", kv, 1)
-    fill(c, "mamba", mb, 2)
-    host, tr = c.write(kv, node_id=7, pool_transfers=[PoolTransfer("mamba", device_indices=mb)])
-    c.poll_writes()
-    c.evict_device(kv)
-    c.evict_device(mb, pool="mamba")
-    if evict_host_first:
-        c.evict_host(host)
-        if double_evict:
-            c.evict_host(host)
-            return
-    c.load(host, node_id=7, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
-    c.start_loading()
-    c.poll_loads()
+def _hybrid_round_trip(c, **kw) -> None:
+    hybrid_round_trip(c, with_data=True, **kw)
 
 
 @pytest.mark.parametrize("backend", ["kernel", "direct"])

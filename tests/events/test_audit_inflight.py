@@ -9,63 +9,11 @@ path.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from event_workloads import EventList
 
 from hicache_obs.events.audit import Auditor, Finding
 from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import (
-    PoolCreated,
-    SlotsAllocated,
-    SlotsFreed,
-    TensorRef,
-    TransferCompleted,
-    TransferFailed,
-    TransferSubmitted,
-)
-
-
-class _Log:
-    """Builds a gap-free event sequence for one rank."""
-
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def add(self, cls: type, **fields: Any) -> None:
-        self.events.append(cls(seq=len(self.events), ts_ns=1_000 + len(self.events), **fields))
-
-    def pool(self, capacity: int = 1024) -> _Log:
-        self.add(PoolCreated, pool="kv", tier="host", capacity=capacity, page_size=1, slot_bytes=2, layout="layer_first")
-        return self
-
-    def alloc(self, *runs: tuple[int, int]) -> None:
-        self.add(SlotsAllocated, pool="kv", tier="host", indices=tuple(runs))
-
-    def free(self, *runs: tuple[int, int]) -> None:
-        self.add(SlotsFreed, pool="kv", tier="host", indices=tuple(runs), reason="evict")
-
-    def submit(self, op: int, *runs: tuple[int, int]) -> None:
-        n = sum(length for _, length in runs)
-        ref = TensorRef(pool="kv", role="host", device="cpu", numel=n, dtype="int64", ptr=1, indices=tuple(runs))
-        self.add(
-            TransferSubmitted,
-            op=op,
-            direction="d2h",
-            stream="hicache-write",
-            io_backend="direct",
-            layout="layer_first",
-            tensors=(ref,),
-            slots_by_pool=(("kv", n),),
-            bytes_by_pool=(("kv", 2 * n),),
-            device="cpu",
-        )
-
-    def done(self, op: int) -> None:
-        self.add(TransferCompleted, op=op, direction="d2h", duration_ns=5)
-
-    def failed(self, op: int) -> None:
-        self.add(TransferFailed, op=op, direction="d2h", error="refused")
 
 
 def _uaf(findings: list[Finding]) -> list[tuple[int, int]]:
@@ -73,7 +21,7 @@ def _uaf(findings: list[Finding]) -> list[tuple[int, int]]:
     return [(f.op, f.seq) for f in findings if f.rule == "slot_not_allocated" and "use after free" in f.detail]
 
 
-def _all_ways(log: _Log) -> list[tuple[int, int]]:
+def _all_ways(log: EventList) -> list[tuple[int, int]]:
     """Findings of the live-style auditor, the replay fold, and event-by-event handling: all equal."""
     plain = Auditor().feed(log.events).finish()
     folder = Auditor(fold_state=True).feed(log.events)
@@ -92,7 +40,7 @@ def _all_ways(log: _Log) -> list[tuple[int, int]]:
 
 
 def test_free_of_a_slot_in_flight_is_found_and_not_after_completion() -> None:
-    log = _Log().pool()
+    log = EventList().pool()
     log.alloc((0, 64))
     log.submit(1, (10, 4), (40, 2))
     log.free((0, 8))  # not used by op 1
@@ -104,7 +52,7 @@ def test_free_of_a_slot_in_flight_is_found_and_not_after_completion() -> None:
 
 
 def test_overlapping_ops_each_hold_the_slot_until_their_own_completion() -> None:
-    log = _Log().pool()
+    log = EventList().pool()
     log.alloc((0, 64))
     log.submit(1, (0, 8))
     log.submit(2, (4, 8))
@@ -117,7 +65,7 @@ def test_overlapping_ops_each_hold_the_slot_until_their_own_completion() -> None
 
 
 def test_an_op_id_submitted_again_replaces_its_earlier_use() -> None:
-    log = _Log().pool()
+    log = EventList().pool()
     log.alloc((0, 64))
     log.submit(1, (0, 4))
     log.submit(1, (20, 4))
@@ -127,7 +75,7 @@ def test_an_op_id_submitted_again_replaces_its_earlier_use() -> None:
 
 
 def test_more_than_255_transfers_on_one_slot_are_counted_exactly() -> None:
-    log = _Log().pool()
+    log = EventList().pool()
     log.alloc((0, 16))
     for op in range(300):
         log.submit(op, (3, 2))
@@ -142,7 +90,7 @@ def test_more_than_255_transfers_on_one_slot_are_counted_exactly() -> None:
 
 @pytest.mark.parametrize("runs", [((-3, 5),), ((1020, 10),), ((2000, 1),)])
 def test_runs_outside_the_pool_do_not_break_the_count(runs: tuple[tuple[int, int], ...]) -> None:
-    log = _Log().pool(capacity=1024)
+    log = EventList().pool(capacity=1024)
     log.alloc((0, 8), (1016, 8))
     log.submit(1, *runs)
     low = len(log.events)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from event_workloads import EventList
+
 from hicache_obs.events.audit import Auditor, audit
 from hicache_obs.events.replay import replay
 from hicache_obs.events.schema import (
@@ -20,21 +22,13 @@ from hicache_obs.events.schema import (
 )
 
 
-class _Log:
-    def __init__(self) -> None:
-        self.events: list[Any] = []
-
-    def add(self, cls: type, **fields: Any) -> None:
-        self.events.append(cls(seq=len(self.events), ts_ns=1_000 + len(self.events), rank=0, **fields))
-
-
 def _ref(role: str, device: str, slots: tuple[tuple[int, int], ...]) -> TensorRef:
     return TensorRef(
         pool="kv", role=role, device=device, dtype="int64", numel=sum(n for _, n in slots), indices=slots, ptr=1
     )
 
 
-def _submit(log: _Log, op: int, *tensors: TensorRef) -> None:
+def _submit(log: EventList, op: int, *tensors: TensorRef) -> None:
     log.add(
         TransferSubmitted,
         op=op,
@@ -48,7 +42,7 @@ def _submit(log: _Log, op: int, *tensors: TensorRef) -> None:
     )
 
 
-def _pool(log: _Log) -> None:
+def _pool(log: EventList) -> None:
     log.add(PoolCreated, pool="kv", tier="host", capacity=8, page_size=1, slot_bytes=8, layout="layer_first")
     log.add(SlotsAllocated, pool="kv", tier="host", indices=((0, 4),))
 
@@ -59,7 +53,7 @@ def _keys(found: list[Any]) -> list[tuple[Any, ...]]:
 
 def test_a_merge_that_names_an_op_in_flight_loses_none_of_its_findings() -> None:
     # the bookkeeping's lifecycle forgets op 1 at the merge (a source of op 5); its transfer still runs
-    log = _Log()
+    log = EventList()
     _pool(log)
     log.add(OperationQueued, op=2, direction="d2h", node_id=2, priority=0, slots_by_pool=(("kv", 1),))
     _submit(log, 1, _ref("host", "cpu", ((0, 2),)))
@@ -75,7 +69,7 @@ def test_a_merge_that_names_an_op_in_flight_loses_none_of_its_findings() -> None
 
 
 def test_a_merged_away_op_still_needs_its_record_stream_and_leaves_at_its_end() -> None:
-    log = _Log()
+    log = EventList()
     _pool(log)
     _submit(log, 1, _ref("device", "sim:0", ((0, 2),)))
     log.add(OperationsMerged, op=5, merged_ops=(1, 9), direction="d2h")
@@ -87,7 +81,7 @@ def test_a_merged_away_op_still_needs_its_record_stream_and_leaves_at_its_end() 
 
 
 def test_fold_mode_keeps_the_evidence_on_the_bookkeepings_record() -> None:
-    log = _Log()
+    log = EventList()
     _pool(log)
     _submit(log, 3, _ref("device", "sim:0", ((0, 2),)))
     auditor = Auditor(fold_state=True).feed(log.events)

@@ -7,30 +7,13 @@ from typing import Any
 
 import msgspec
 import pytest
+from event_workloads import hybrid_round_trip
 
-from hicache_obs.core import ModelSpec, PoolTransfer
+from hicache_obs.core import ModelSpec
 from hicache_obs.events import AuditViolation, TransferCompleted
 from hicache_obs.events.audit import RULES, Auditor, audit, audit_batch, audited
 from hicache_obs.events.schema import Event
 from hicache_obs.testing import make_controller
-
-
-def _round_trip(c: Any, *, evict_host_first: bool = False, double_evict: bool = False) -> None:
-    """A hybrid write and load back (the scenario each fault shows itself in)."""
-    kv = c.alloc_device(32)
-    mb = c.alloc_device(1, pool="mamba")
-    host, tr = c.write(kv, node_id=7, pool_transfers=[PoolTransfer("mamba", device_indices=mb)])
-    c.poll_writes()
-    c.evict_device(kv)
-    c.evict_device(mb, pool="mamba")
-    if evict_host_first:
-        c.evict_host(host)
-        if double_evict:
-            c.evict_host(host)
-            return
-    c.load(host, node_id=7, pool_transfers=[PoolTransfer("mamba", host_indices=tr[0].host_indices)])
-    c.start_loading()
-    c.poll_loads()
 
 
 def _unfinished_write(c: Any) -> None:
@@ -39,11 +22,11 @@ def _unfinished_write(c: Any) -> None:
 
 # fault -> (the scenario, the rule it must show)
 SCENARIOS: dict[str, tuple[Any, str]] = {
-    "unrecorded-pool-indices": (_round_trip, "unrecorded_index"),
-    "unmoved-pool-indices": (_round_trip, "index_not_on_device"),
-    "length-mismatch": (_round_trip, "length_mismatch"),
-    "use-after-free": (lambda c: _round_trip(c, evict_host_first=True), "slot_not_allocated"),
-    "double-free": (lambda c: _round_trip(c, evict_host_first=True, double_evict=True), "double_free"),
+    "unrecorded-pool-indices": (hybrid_round_trip, "unrecorded_index"),
+    "unmoved-pool-indices": (hybrid_round_trip, "index_not_on_device"),
+    "length-mismatch": (hybrid_round_trip, "length_mismatch"),
+    "use-after-free": (lambda c: hybrid_round_trip(c, evict_host_first=True), "slot_not_allocated"),
+    "double-free": (lambda c: hybrid_round_trip(c, evict_host_first=True, double_evict=True), "double_free"),
     "incomplete": (_unfinished_write, "incomplete_operation"),
 }
 
