@@ -212,13 +212,10 @@ class _Submission:
     op: Any = None
     merged_emitted: bool = False
     uses: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    records: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
+    records: list[tuple[torch.Tensor, Any]] = field(default_factory=list)  # (tensor, stream), as made
     acks: list[Any] = field(default_factory=list)
     # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
     side_moves: list[tuple[str, str, str, str, TensorRef]] = field(default_factory=list)
-
-    def recorded(self, tensor: torch.Tensor, stream: Any) -> None:
-        self.records.append((tensor, stream))
 
 
 @dataclass
@@ -620,16 +617,25 @@ class Instrumentation:
                 )
 
     def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        # a kernel copy may move an index tensor off the device itself (watched); a direct
+        # copy reads host indices as they are. Runs between copies, cold: no frame of its own
+        # around the read of what the copy received
+        kernel, received, failed = self._shape.io_backend == "kernel", self._received, self._failed
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
                 sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watched = self._safely(self._received, sub, pool, host_indices, device_indices)
-                if not watched or self._shape.io_backend != "kernel":
-                    # nothing to watch: a direct copy reads host indices as they are
+                try:
+                    with NO_TORCH_FUNCTION():
+                        watched = received(sub, pool, host_indices, device_indices)
+                except Exception:
+                    failed("describe a copy call")
+                    watched = None
+                if not watched or not kernel:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watch = _ConversionWatch(pool, watched, self._failed)
+                watch = _ConversionWatch(pool, watched, failed)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
                 seen = {(m[0], m[1]) for m in sub.side_moves if m[0] == pool}
@@ -669,15 +675,21 @@ class Instrumentation:
             return None
 
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, emit = self._slot_runs, self._emit
+        # a failure is counted inline, with no frame of its own: this runs for every
+        # allocation, between copies
+        read, log, failed = self._slot_runs, self.log, self._failed
+        tensor = torch.Tensor
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
-                if isinstance(out, torch.Tensor):
+                if isinstance(out, tensor):
                     runs = read(out)
                     if runs is not None:
-                        emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                        try:
+                            log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                        except Exception:
+                            failed("record a SlotsAllocated event")
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -686,16 +698,20 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, emit = self._slot_runs, self._emit
+        read, log, failed = self._slot_runs, self.log, self._failed
+        tensor = torch.Tensor
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
                 # read before the free (the allocator may keep the tensor in its free list and
                 # reuse its memory), recorded once the free returned
-                runs = read(indices) if isinstance(indices, torch.Tensor) else None
+                runs = read(indices) if isinstance(indices, tensor) else None
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
-                    emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                    try:
+                        log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                    except Exception:
+                        failed("record a SlotsFreed event")
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]

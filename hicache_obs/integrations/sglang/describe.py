@@ -90,9 +90,16 @@ def _runs(t: torch.Tensor, facts: tuple[int, int, int, int, int, int, Any] | Non
 
 def host_runs(t: torch.Tensor) -> Any:
     """The runs of an index tensor's values (``()`` for an empty one), or None for device
-    values a read would sync for (a GPU)."""
+    values a read would sync for (a GPU).
+
+    The DLPack read dispatches no torch function, so the usual case (an integer tensor one
+    stride walks) enters no context at all; only the fallback to the tensor's own methods
+    turns torch function handling off."""
+    facts = _facts(t)
+    if facts is not None and (facts[6] is not None or facts[0] not in _DL_HOST):
+        return facts[6]
     with NO_TORCH_FUNCTION():
-        return _runs(t, _facts(t))
+        return _runs(t, facts)
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:

@@ -47,7 +47,7 @@ class RecordStreamObserver:
                         current.recording = False
                     sub = getattr(current, "sub", None)
                     if sub is not None:
-                        sub.recorded(tensor, stream)
+                        sub.records.append((tensor, stream))
                     return None
 
                 record_stream.__doc__ = original.__doc__

@@ -310,6 +310,27 @@ def test_a_failing_log_never_breaks_the_controller() -> None:
     inst.detach()
 
 
+def test_a_copy_hook_that_fails_is_counted_and_the_copy_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading what a pool's copy received runs inside SGLang's copy call: a failure there
+    is counted, and the copy itself runs as it would bare (the data arrives)."""
+    from hicache_obs.integrations.sglang import adapter
+
+    def unreadable(*args: object) -> None:
+        raise RuntimeError("the copy's index tensors cannot be read")
+
+    monkeypatch.setattr(adapter.Instrumentation, "_received", staticmethod(unreadable))
+    h = _build() if FIXED else _build(io_backend="direct")
+    inst = instrument(h.controller)
+    loaded = _workload(h, nodes=2)
+    assert _data_intact(h, loaded)
+    pools = 2 if h.mamba_pool is not None else 1
+    assert inst.errors >= 2 * pools  # at least each write's copy of each pool (loads copy per layer)
+    # the submissions are still logged, with no use of any tensor (none could be read)
+    submitted = [e for e in inst.log.events() if isinstance(e, TransferSubmitted)]
+    assert submitted and all(e.tensors == () for e in submitted)
+    inst.detach()
+
+
 def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
     """The adapter's own reads of index tensors (sizes, devices, values) never run a torch
     function mode or a subclass's ``__torch_function__``: under a process-wide mode (a tracer,
