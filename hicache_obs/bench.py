@@ -598,9 +598,12 @@ def bench_sglang_here(
     CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
     same controller runs :func:`sglang_workload` bare and instrumented
     (:func:`~hicache_obs.integrations.sglang.instrument` with the sinks of configuration (a)
-    in a sink host). A round alternates ``slices`` bare and ``slices`` instrumented runs
-    (this machine's speed drifts within a second: short alternating runs see the same
-    drift) and compares their totals; the round's ratio is one sample. Each instrumented
+    in a sink host). A round rotates ``slices`` bare, ``slices`` instrumented and ``slices``
+    in-process runs (this machine's speed drifts within a second: short alternating runs
+    see the same drift) and compares their totals; the round's ratio is one sample. An
+    in-process run is the same instrumentation into an :class:`EventLog` of its own with no
+    sinks: ``in_process_ratio`` and ``in_process_per_op_us`` are the adapter's and the log's
+    share, and the rest of ``per_op_overhead_us`` the sink host's. Each instrumented
     run ends when the sink host handled all of its events (``log.flush``), and closing the
     round's log (every sink flushed and closed) counts as instrumented time too. The log
     and its sink host are set up before, and the instrumentation attached before and
@@ -645,34 +648,39 @@ def bench_sglang_here(
         cpu[name] += time.thread_time() - c0
 
     def one_round() -> tuple[dict[str, float], dict[str, float]]:
-        """``slices`` bare and instrumented runs of the plan, alternating; their total times."""
-        wall = {"bare": 0.0, "instrumented": 0.0}
-        cpu = {"bare": 0.0, "instrumented": 0.0}
+        """``slices`` bare, instrumented and in-process runs of the plan, rotating; their total times."""
+        wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
+        cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
         counter[0] += 1
         out_dir = tmp / str(counter[0])
         out_dir.mkdir()
         log = EventLog(capacity=100_000)
         add_sink_host(log, _sglang_sink_specs(out_dir))
+        order = ("bare", "instrumented", "in_process")
         try:
-            for k in range(2 * slices):
+            for k in range(3 * slices):
                 gc.collect()
-                if (k + counter[0]) % 2:  # rotate which goes first
+                name = order[(k + counter[0]) % 3]  # rotate which goes first
+                if name == "bare":
                     run("bare", lambda: sglang_workload(harness, plan, batch), wall, cpu)
                     _sglang_check_idle(harness, free, "bare")
                     continue
-                inst = instrument(harness.controller, log=log)  # attached and detached untimed
+                # in_process: the same instrumentation into a log of this process with no sinks
+                # (what the adapter and the log cost, without the sink host's share)
+                into = log if name == "instrumented" else EventLog(capacity=100_000)
+                inst = instrument(harness.controller, log=into)  # attached and detached untimed
                 try:
 
-                    def go() -> None:
+                    def go(into: EventLog = into) -> None:
                         sglang_workload(harness, plan, batch)
-                        log.flush()  # the sink host handled every event of this run
+                        into.flush()  # the sink host handled every event of this run
 
-                    run("instrumented", go, wall, cpu)
+                    run(name, go, wall, cpu)
                 finally:
                     inst.detach()
                 if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
                     raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
-                _sglang_check_idle(harness, free, "instrumented")
+                _sglang_check_idle(harness, free, name)
             run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
         finally:
             log.close()
@@ -685,8 +693,8 @@ def bench_sglang_here(
 
     events = [0]
     ops = 2 * len(plan) * slices  # per round and side
-    got: dict[str, list[float]] = {"bare": [], "instrumented": []}
-    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": []}
+    got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
+    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
     gc.collect()
     gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
     try:
@@ -706,6 +714,8 @@ def bench_sglang_here(
     ratios = sorted(i / b for i, b in zip(got["instrumented"], got["bare"]))
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     rc = ratio_of_times(got_cpu["instrumented"], got_cpu["bare"])
+    rp = ratio_of_times(got["in_process"], got["bare"])
+    per_op_in_process = [(i - b) / ops * 1e6 for i, b in zip(got["in_process"], got["bare"])]
     out: dict[str, Any] = {
         "available": True,
         "release": sglang_version(),
@@ -728,6 +738,11 @@ def bench_sglang_here(
         # than wall time on a loaded machine, and what the instrumentation adds in-thread
         "controller_cpu_ratio": rc.median,
         "controller_cpu_ratio_spread": [rc.lo, rc.hi],
+        # the same runs' share without the sink host: the adapter and an in-process log with no
+        # sinks, measured in the same rounds (what is left of per_op_overhead_us is the sink host's)
+        "in_process_ratio": rp.median,
+        "in_process_ratio_spread": [rp.lo, rp.hi],
+        "in_process_per_op_us": statistics.median(per_op_in_process),
         "io_backend": harness.io_backend,
         "layout": harness.layout,
         "model": spec.name,

@@ -76,5 +76,8 @@ def test_line_of_a_measured_and_a_failed_section() -> None:
     line = _sglang_line(measured)
     assert line.startswith("sglang 0.5.23 (tiny_hybrid, kernel/page_first, 15 rounds")
     assert "instrumented / bare 1.031 (IQR 1.010-1.050, range 0.980-1.200)" in line and "+42 us per operation" in line
+    assert "in-process" not in line  # a result from before the in-process runs
+    split = _sglang_line({**measured, "in_process_ratio": 1.012, "in_process_per_op_us": 10.6})
+    assert split == line + "; into an in-process log with no sinks 1.012, +11 us"
     failed = _sglang_line({"available": True, "release": "0.5.23", "error": "the SGLang bench exited 1: boom"})
     assert failed == "sglang 0.5.23: the bench failed: the SGLang bench exited 1: boom"

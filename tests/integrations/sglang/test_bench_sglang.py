@@ -17,9 +17,12 @@ def test_sglang_section_measures_the_real_controller() -> None:
     out = bench_sglang(nodes=8, batch=4, rounds=2, slices=1, timeout=280)
     assert "error" not in out, out["error"] if "error" in out else None
     assert out["available"] is True and out["release"] == RELEASE
-    for key in ("overhead_ratio", "per_op_overhead_us", "controller_cpu_ratio", "bare_per_op_us"):
+    keys = ("overhead_ratio", "per_op_overhead_us", "controller_cpu_ratio", "bare_per_op_us")
+    for key in (*keys, "in_process_ratio", "in_process_per_op_us"):
         assert isinstance(out[key], float) and math.isfinite(out[key]), key
-    assert out["overhead_ratio"] > 0 and out["controller_cpu_ratio"] > 0
+    assert out["overhead_ratio"] > 0 and out["controller_cpu_ratio"] > 0 and out["in_process_ratio"] > 0
+    plo, phi = out["in_process_ratio_spread"]
+    assert plo <= out["in_process_ratio"] <= phi
     lo, hi = out["overhead_ratio_spread"]
     q1, q3 = out["overhead_ratio_iqr"]
     assert lo <= q1 <= out["overhead_ratio"] <= q3 <= hi
@@ -32,6 +35,7 @@ def test_sglang_section_measures_the_real_controller() -> None:
         assert any(r.startswith("kernel/") for r in out["backends_refused"])
     assert out["wall_s"] > 0
     assert _sglang_line(out).startswith(f"sglang {RELEASE} (tiny_hybrid, {out['io_backend']}/")
+    assert "; into an in-process log with no sinks " in _sglang_line(out)
 
 
 def test_workload_leaves_every_pool_as_it_found_it() -> None:
