@@ -85,7 +85,10 @@ def test_200_idle_and_100_half_sent_clients_hold_no_threads_and_a_scrape_gets_th
                 s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * i)
                 clients.append(s)
             _wait_for(lambda: server.stats()["accepted"] >= 300, "the server to accept 300 clients")
-            assert server.stats()["open"] == 300
+            # each is open, or already closed for its read_timeout (connecting 300 clients can
+            # take longer than that on a loaded machine): none is lost or closed otherwise
+            st = server.stats()
+            assert st["accepted"] == 300 and st["open"] + st["timed_out"] == 300 and st["client_errors"] == 0
             # a normal scrape while all 300 are connected
             status, body = _scrape(port)
             assert status == 200 and b"hicache_probe_total 1.0" in body
