@@ -678,6 +678,8 @@ def bench_sglang_here(
                     run(name, go, wall, cpu)
                 finally:
                     inst.detach()
+                    if into is not log:
+                        into.close()
                 if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
                     raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
                 _sglang_check_idle(harness, free, name)
