@@ -712,7 +712,8 @@ static long long read_int(const char *p, int code, int bits) {
  * of the tensor a "dltensor" capsule holds. ptr is 0 for an empty tensor. runs are the
  * ((start, length), ...) of its values in row-major order, read in place, where they are
  * host memory (DLPack CPU or CUDA host) of an integer type and one stride walks them;
- * else None (a device tensor's values are never read). */
+ * else None (a device tensor's values are never read, nor those of a non-empty tensor whose
+ * data pointer is null). */
 static PyObject *dlpack_facts(PyObject *Py_UNUSED(mod), PyObject *cap) {
     if (!PyCapsule_IsValid(cap, "dltensor")) {
         PyErr_Format(PyExc_TypeError, "dlpack_facts: an unconsumed \"dltensor\" capsule is needed, got %.100s",
@@ -745,7 +746,8 @@ static PyObject *dlpack_facts(PyObject *Py_UNUSED(mod), PyObject *cap) {
                (bits == 8 || bits == 16 || bits == 32 || bits == 64);
     int64_t stride = host && ints ? flat_stride(t) : 0;
     PyObject *runs;
-    if (!host || !ints || (numel > 1 && stride <= 0)) {
+    /* no memory behind a non-empty tensor (a wrapper subclass has no storage): nothing to read */
+    if (!host || !ints || (numel > 1 && stride <= 0) || (numel && !t->data)) {
         runs = Py_NewRef(Py_None);
     } else {
         const char *base = (const char *)(uintptr_t)ptr;

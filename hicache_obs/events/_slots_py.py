@@ -611,7 +611,8 @@ def dlpack_facts(capsule: Any, /) -> tuple[int, int, int, int, int, int, tuple[t
     """``(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs)`` of the tensor an
     unconsumed ``"dltensor"`` capsule holds. ``ptr`` is 0 for an empty tensor. ``runs`` are the
     runs of its values in row-major order, read in place, where they are host memory (DLPack
-    CPU or CUDA host) of an integer type and one stride walks them; else None."""
+    CPU or CUDA host) of an integer type and one stride walks them; else None (also where a
+    non-empty tensor has a null data pointer: no memory to read)."""
     if not _capsule_valid(capsule, b"dltensor"):
         raise TypeError(
             f'dlpack_facts: an unconsumed "dltensor" capsule is needed, got {type(capsule).__name__}'
@@ -630,7 +631,8 @@ def dlpack_facts(capsule: Any, /) -> tuple[int, int, int, int, int, int, tuple[t
     code, bits = t.dtype.code, t.dtype.bits
     kind = _INT_TYPES.get((code, bits)) if t.dtype.lanes == 1 else None
     runs: tuple[tuple[int, int], ...] | None = None
-    if t.device.device_type in _HOST_DEVICES and kind is not None:
+    # no memory behind a non-empty tensor (a wrapper subclass has no storage): nothing to read
+    if t.device.device_type in _HOST_DEVICES and kind is not None and (t.data or not numel):
         strides = [t.strides[i] for i in range(ndim)] if t.strides else None
         stride = _flat_stride(ndim, shape, strides)
         if numel <= 1 or stride > 0:

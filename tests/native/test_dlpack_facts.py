@@ -133,3 +133,29 @@ def test_hostile_capsules_are_type_errors_in_both() -> None:
     names = ["int", "NoneType", "bytes", "PyCapsule", "PyCapsule"]
     want = [f'TypeError dlpack_facts: an unconsumed "dltensor" capsule is needed, got {n}' for n in names]
     assert lines == want + want
+
+
+def test_a_tensor_with_no_memory_behind_it_has_no_runs_in_both() -> None:
+    """A wrapper subclass (``_make_wrapper_subclass``) has no storage: its capsule's data
+    pointer is null. Its values are not read (they used to be: a crash in C, stray memory in
+    the twin), and the adapter's read of them fails as a clean, countable error."""
+    body = """
+    class NoStorage(torch.Tensor):
+        @staticmethod
+        def __new__(cls, n):
+            return torch.Tensor._make_wrapper_subclass(cls, (n,), dtype=torch.int64)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(f"NoStorage has no {func}")
+
+    t = NoStorage(4)
+    for mod in (_slots, _slots_py):
+        kind, dev, numel, code, bits, ptr, runs = mod.dlpack_facts(torch._C._to_dlpack(t))
+        print(kind, numel, code, bits, runs)
+    from hicache_obs.integrations.sglang import describe
+    show(describe.host_runs, t)
+    """
+    lines = run_lines(PRELUDE + textwrap.dedent(body))
+    assert lines[:2] == ["1 4 0 64 None"] * 2
+    assert len(lines) == 3 and lines[2].startswith("NotImplementedError NoStorage has no "), lines
