@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import os
 import platform
 import statistics
@@ -507,6 +508,9 @@ def _sglang_sink_specs(out_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+#: The orders of a round's slices: bare, instrumented and in-process runs, every permutation.
+_ORDERS = tuple(itertools.permutations(("bare", "instrumented", "in_process")))
+
 #: (io backend, host layout) tried in order: the first whose warm-up runs is measured.
 #: 0.5.10's kernel path refuses the hybrid model's Mamba host indices (they are never
 #: moved to the device), so that release is measured on the direct backend.
@@ -652,15 +656,18 @@ def bench_sglang_here(
         wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
         cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
         counter[0] += 1
+        in_process_events[0] = 0
         out_dir = tmp / str(counter[0])
         out_dir.mkdir()
         log = EventLog(capacity=100_000)
         add_sink_host(log, _sglang_sink_specs(out_dir))
-        order = ("bare", "instrumented", "in_process")
+        # each slice runs the three in one of their six orders, in turn: each comes first, and
+        # after each of the others, equally often (what one run leaves behind, a sink host still
+        # busy or the caches, falls on every kind of run alike)
+        names = [name for s in range(slices) for name in _ORDERS[(counter[0] + s) % len(_ORDERS)]]
         try:
-            for k in range(3 * slices):
+            for name in names:
                 gc.collect()
-                name = order[(k + counter[0]) % 3]  # rotate which goes first
                 if name == "bare":
                     run("bare", lambda: sglang_workload(harness, plan, batch), wall, cpu)
                     _sglang_check_idle(harness, free, "bare")
@@ -673,12 +680,13 @@ def bench_sglang_here(
 
                     def go(into: EventLog = into) -> None:
                         sglang_workload(harness, plan, batch)
-                        into.flush()  # the sink host handled every event of this run
+                        into.flush()  # the sink host (if any) handled every event of this run
 
                     run(name, go, wall, cpu)
                 finally:
                     inst.detach()
                     if into is not log:
+                        in_process_events[0] += into.published
                         into.close()
                 if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
                     raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
@@ -694,6 +702,7 @@ def bench_sglang_here(
         return wall, cpu
 
     events = [0]
+    in_process_events = [0]
     ops = 2 * len(plan) * slices  # per round and side
     got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
     got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
@@ -745,6 +754,7 @@ def bench_sglang_here(
         "in_process_ratio": rp.median,
         "in_process_ratio_spread": [rp.lo, rp.hi],
         "in_process_per_op_us": statistics.median(per_op_in_process),
+        "in_process_events": in_process_events[0],  # of one round's in-process runs, as ``events``
         "io_backend": harness.io_backend,
         "layout": harness.layout,
         "model": spec.name,

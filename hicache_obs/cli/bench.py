@@ -140,10 +140,10 @@ def _sglang_line(sg: dict[str, Any]) -> str:
         f"sglang {sg['release']} ({sg['model']}, {sg['io_backend']}/{sg['layout']}, {sg['rounds']} rounds, "
         f"sinks in the sink host): instrumented / bare {sg['overhead_ratio']:.3f} "
         f"(IQR {q1:.3f}-{q3:.3f}, range {lo:.3f}-{hi:.3f}), "
-        f"+{sg['per_op_overhead_us']:.0f} us per operation (bare {sg['bare_per_op_us']:.0f} us)"
+        f"{sg['per_op_overhead_us']:+.0f} us per operation (bare {sg['bare_per_op_us']:.0f} us)"
         + (
             f"; into an in-process log with no sinks {sg['in_process_ratio']:.3f}, "
-            f"+{sg['in_process_per_op_us']:.0f} us"
+            f"{sg['in_process_per_op_us']:+.0f} us"
             if "in_process_ratio" in sg
             else ""
         )

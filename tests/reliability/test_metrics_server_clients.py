@@ -72,7 +72,9 @@ def _reads_eof(sock: socket.socket) -> bool:
 
 
 def test_200_idle_and_100_half_sent_clients_hold_no_threads_and_a_scrape_gets_through() -> None:
-    with _server(read_timeout=1.0, max_handlers=4, max_connections=400) as server:
+    # read_timeout: longer than connecting 300 clients takes on a loaded machine (it took over
+    # 1 s once), so that all 300 are open together when the scrape comes
+    with _server(read_timeout=5.0, max_handlers=4, max_connections=400) as server:
         port = server.port
         assert len(_server_threads()) == 5  # the acceptor and 4 workers
         threads_before = threading.active_count()
@@ -85,10 +87,7 @@ def test_200_idle_and_100_half_sent_clients_hold_no_threads_and_a_scrape_gets_th
                 s.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * i)
                 clients.append(s)
             _wait_for(lambda: server.stats()["accepted"] >= 300, "the server to accept 300 clients")
-            # each is open, or already closed for its read_timeout (connecting 300 clients can
-            # take longer than that on a loaded machine): none is lost or closed otherwise
-            st = server.stats()
-            assert st["accepted"] == 300 and st["open"] + st["timed_out"] == 300 and st["client_errors"] == 0
+            assert server.stats()["open"] == 300
             # a normal scrape while all 300 are connected
             status, body = _scrape(port)
             assert status == 200 and b"hicache_probe_total 1.0" in body

@@ -677,7 +677,7 @@ class Instrumentation:
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         # a failure is counted inline, with no frame of its own: this runs for every
         # allocation, between copies
-        read, log, failed = self._slot_runs, self.log, self._failed
+        read, failed = self._slot_runs, self._failed
         tensor = torch.Tensor
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -687,7 +687,7 @@ class Instrumentation:
                     runs = read(out)
                     if runs is not None:
                         try:
-                            log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                            self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                         except Exception:
                             failed("record a SlotsAllocated event")
                 return out
@@ -698,7 +698,7 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, log, failed = self._slot_runs, self.log, self._failed
+        read, failed = self._slot_runs, self._failed
         tensor = torch.Tensor
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -709,7 +709,7 @@ class Instrumentation:
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
                     try:
-                        log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                        self.log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
                     except Exception:
                         failed("record a SlotsFreed event")
                 return out

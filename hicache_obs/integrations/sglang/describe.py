@@ -1,8 +1,10 @@
 """What an index tensor SGLang handed over is: device, size, values, as a ``TensorRef``.
 
-Every read here runs with torch function dispatch off (``NO_TORCH_FUNCTION``): these are
+No read here runs a torch function mode or a subclass's ``__torch_function__``: these are
 facts about the tensor, and a process-wide torch function mode (a tracer, a debugging
 mode, the CPU harness's CUDA stand-in) would otherwise run in Python for each of them.
+The DLPack export below dispatches none; every other read runs with torch function
+dispatch off (``NO_TORCH_FUNCTION``).
 Values are read only where the storage is host memory: a device tensor's values would
 cost a sync, so they are never read.
 

@@ -21,8 +21,8 @@ def test_sglang_section_measures_the_real_controller() -> None:
     for key in (*keys, "in_process_ratio", "in_process_per_op_us"):
         assert isinstance(out[key], float) and math.isfinite(out[key]), key
     assert out["overhead_ratio"] > 0 and out["controller_cpu_ratio"] > 0 and out["in_process_ratio"] > 0
-    plo, phi = out["in_process_ratio_spread"]
-    assert plo <= out["in_process_ratio"] <= phi
+    # the in-process runs instrumented the same workload: as many events as the sink host's
+    assert out["in_process_events"] == out["events"] > 0
     lo, hi = out["overhead_ratio_spread"]
     q1, q3 = out["overhead_ratio_iqr"]
     assert lo <= q1 <= out["overhead_ratio"] <= q3 <= hi
