@@ -617,25 +617,16 @@ class Instrumentation:
                 )
 
     def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        # a kernel copy may move an index tensor off the device itself (watched); a direct
-        # copy reads host indices as they are. Runs between copies, cold: no frame of its own
-        # around the read of what the copy received
-        kernel, received, failed = self._shape.io_backend == "kernel", self._received, self._failed
-
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
                 sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                try:
-                    with NO_TORCH_FUNCTION():
-                        watched = received(sub, pool, host_indices, device_indices)
-                except Exception:
-                    failed("describe a copy call")
-                    watched = None
-                if not watched or not kernel:
+                watched = self._safely(self._received, sub, pool, host_indices, device_indices)
+                if not watched or self._shape.io_backend != "kernel":
+                    # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watch = _ConversionWatch(pool, watched, failed)
+                watch = _ConversionWatch(pool, watched, self._failed)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
                 seen = {(m[0], m[1]) for m in sub.side_moves if m[0] == pool}
@@ -675,21 +666,15 @@ class Instrumentation:
             return None
 
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        # a failure is counted inline, with no frame of its own: this runs for every
-        # allocation, between copies
-        read, failed = self._slot_runs, self._failed
-        tensor = torch.Tensor
+        read, emit = self._slot_runs, self._emit
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
-                if isinstance(out, tensor):
+                if isinstance(out, torch.Tensor):
                     runs = read(out)
                     if runs is not None:
-                        try:
-                            self.log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
-                        except Exception:
-                            failed("record a SlotsAllocated event")
+                        emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -698,20 +683,16 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, failed = self._slot_runs, self._failed
-        tensor = torch.Tensor
+        read, emit = self._slot_runs, self._emit
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
                 # read before the free (the allocator may keep the tensor in its free list and
                 # reuse its memory), recorded once the free returned
-                runs = read(indices) if isinstance(indices, tensor) else None
+                runs = read(indices) if isinstance(indices, torch.Tensor) else None
                 out = original(indices, *args, **kwargs)
                 if runs is not None:
-                    try:
-                        self.log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
-                    except Exception:
-                        failed("record a SlotsFreed event")
+                    emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]

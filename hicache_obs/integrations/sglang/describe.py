@@ -1,10 +1,8 @@
 """What an index tensor SGLang handed over is: device, size, values, as a ``TensorRef``.
 
-No read here runs a torch function mode or a subclass's ``__torch_function__``: these are
+Every read here runs with torch function dispatch off (``NO_TORCH_FUNCTION``): these are
 facts about the tensor, and a process-wide torch function mode (a tracer, a debugging
 mode, the CPU harness's CUDA stand-in) would otherwise run in Python for each of them.
-The DLPack export below dispatches none; every other read runs with torch function
-dispatch off (``NO_TORCH_FUNCTION``).
 Values are read only where the storage is host memory: a device tensor's values would
 cost a sync, so they are never read.
 
@@ -92,16 +90,9 @@ def _runs(t: torch.Tensor, facts: tuple[int, int, int, int, int, int, Any] | Non
 
 def host_runs(t: torch.Tensor) -> Any:
     """The runs of an index tensor's values (``()`` for an empty one), or None for device
-    values a read would sync for (a GPU).
-
-    The DLPack read dispatches no torch function, so the usual case (an integer tensor one
-    stride walks) enters no context at all; only the fallback to the tensor's own methods
-    turns torch function handling off."""
-    facts = _facts(t)
-    if facts is not None and (facts[6] is not None or facts[0] not in _DL_HOST):
-        return facts[6]
+    values a read would sync for (a GPU)."""
     with NO_TORCH_FUNCTION():
-        return _runs(t, facts)
+        return _runs(t, _facts(t))
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
