@@ -1,6 +1,15 @@
 """The sink host child: builds its sinks from their specs, then feeds them the frames it reads.
 
-Run as ``python -m hicache_obs.exporters.sinkhost --reply-fd FD SPECS`` by :class:`SinkHost`.
+Run as ``python -m hicache_obs.exporters.sinkhost --reply-fd FD --wake-fd FD SPECS`` by
+:class:`SinkHost`.
+
+With ``--wake-fd`` the child never waits on the frames' pipe itself: it reads what the pipe
+holds every millisecond while frames come, less often (up to every ``IDLE_S``) while none
+do, and at once when the parent writes a byte to the wake descriptor (after a flush or
+close request, or when the pipe is full). A reader asleep on the pipe would be woken by
+every batch the producer writes, and on a virtual machine that wake-up (an interrupt to
+another CPU) costs the producer's thread tens of microseconds a batch. Without
+``--wake-fd`` it reads the pipe as it blocks (a child started by hand).
 """
 
 from __future__ import annotations
@@ -9,6 +18,7 @@ import argparse
 import gc
 import json
 import os
+import select
 import sys
 import time
 from typing import Any
@@ -18,7 +28,11 @@ import msgspec
 from .specs import check_specs
 from .wire import CLOSE, EVENTS, FLUSH, HEADER, read_exact
 
-__all__ = ["HostAudit", "build_sinks", "main"]
+__all__ = ["BUSY_S", "FrameReader", "HostAudit", "IDLE_S", "build_sinks", "main"]
+
+#: How often the child reads the frames' pipe while frames come, and at most while none do.
+BUSY_S = 0.001
+IDLE_S = 0.016
 
 
 def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list[Any]]:
@@ -150,9 +164,92 @@ def call_all(sinks: list[Any], method: str, errors: dict[str, int], *args: Any) 
             print(f"hicache sink host: sink {s.name} failed to {method}: {exc!r}", file=sys.stderr, flush=True)
 
 
+class FrameReader:
+    """The frames on a pipe, read without blocking: :meth:`fill` takes what the pipe holds,
+    :meth:`next` returns the next whole frame (kind, payload) or None; ``eof`` once the
+    writer closed its end (the parent went away)."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.eof = False
+        self._buf = bytearray()
+        self._at = 0
+
+    def fill(self) -> bool:
+        """Read what the pipe holds now; True if anything came."""
+        got = False
+        while not self.eof:
+            try:
+                chunk = os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                break
+            if self._at:  # what was handled is dropped before the buffer grows
+                del self._buf[: self._at]
+                self._at = 0
+            self._buf += chunk
+            got = True
+        return got
+
+    def next(self) -> tuple[bytes, bytes] | None:
+        at, buf = self._at, self._buf
+        if len(buf) - at < HEADER.size:
+            return None
+        kind, n = HEADER.unpack_from(buf, at)
+        end = at + HEADER.size + n
+        if len(buf) < end:
+            return None
+        self._at = end
+        return kind, bytes(buf[at + HEADER.size : end])
+
+    @property
+    def partial(self) -> int:
+        """Bytes of a frame not whole yet."""
+        return len(self._buf) - self._at
+
+
+def _blocking_frames(inp: Any) -> Any:
+    """The frames of a pipe read as it blocks: (kind, payload), ending when the writer goes."""
+    while True:
+        header = read_exact(inp, HEADER.size)
+        if len(header) < HEADER.size:
+            return
+        kind, n = HEADER.unpack(header)
+        yield kind, read_exact(inp, n)
+
+
+def _polled_frames(fd: int, wake_fd: int) -> Any:
+    """The frames of pipe ``fd`` read on a timer (BUSY_S while they come, backing off to
+    IDLE_S while none do) or when ``wake_fd`` is readable; ending when the writer goes."""
+    frames = FrameReader(fd)
+    poller = select.poll()
+    poller.register(wake_fd, select.POLLIN)
+    wake_open = True
+    wait = BUSY_S
+    while True:
+        got = frames.fill()
+        while (frame := frames.next()) is not None:
+            yield frame
+        if frames.eof:
+            return
+        wait = BUSY_S if got else min(IDLE_S, wait * 2)
+        if not wake_open:
+            time.sleep(wait)
+            continue
+        for _fd, ev in poller.poll(int(wait * 1000) or 1):
+            data = os.read(wake_fd, 4096) if ev & select.POLLIN else b""
+            if not data:  # the parent closed its end: the frames' pipe says when it is gone
+                poller.unregister(wake_fd)
+                wake_open = False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hicache_obs.exporters.sinkhost")
     p.add_argument("--reply-fd", type=int, required=True)
+    p.add_argument("--wake-fd", type=int, default=None, help="read the frames on a timer; a byte here wakes the child")
     p.add_argument("specs")
     args = p.parse_args(argv)
     reply = os.fdopen(args.reply_fd, "wb", buffering=0)
@@ -175,18 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()  # what start-up built stays: later collections skip it
     READY_CPU[0] = time.process_time()
     say(ready)
-    inp = sys.stdin.buffer
+    frames = _blocking_frames(sys.stdin.buffer) if args.wake_fd is None else _polled_frames(0, args.wake_fd)
     events = batches = 0
     errors: dict[str, int] = {}
-    while True:
-        header = read_exact(inp, HEADER.size)
-        if len(header) < HEADER.size:  # the parent went away: close what we have
-            if audit is not None:
-                feed(sinks, [], audit.finish(), errors)
-            call_all(sinks, "close", errors)
-            break
-        kind, n = HEADER.unpack(header)
-        payload = read_exact(inp, n)
+    for kind, payload in frames:
         if kind == EVENTS:
             batch = decode(payload)
             events += len(batch)
@@ -207,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"hicache sink host: unknown frame {kind!r}; stopping", file=sys.stderr, flush=True)
             return 2
+    else:  # the parent went away: close what we have
+        if audit is not None:
+            feed(sinks, [], audit.finish(), errors)
+        call_all(sinks, "close", errors)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # every sink is closed: skip the interpreter's teardown

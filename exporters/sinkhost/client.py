@@ -66,25 +66,34 @@ class SinkHost:
         self.sent_events = 0
         self.discarded_events = 0
         _reap_finished()
-        # the child's stdin (batches and commands) and fd 3 (replies); no shell, a fixed
-        # argv, and no other descriptor of this process (Python's are not inheritable)
+        # the child's stdin (batches and commands), fd 3 (replies) and fd 4 (a byte there wakes
+        # it: it reads stdin on a timer, so a batch written costs no wake-up); no shell, a
+        # fixed argv, and no other descriptor of this process (Python's are not inheritable)
         in_r, in_w = os.pipe()
         rep_r, rep_w = os.pipe()
-        argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", json.dumps(self.specs)]
+        wake_r, wake_w = os.pipe()
+        argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", "--wake-fd", "4"]
+        argv.append(json.dumps(self.specs))
         try:
             self.pid = os.posix_spawn(
                 sys.executable,
                 argv,
                 os.environ if env is None else env,
-                file_actions=[(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, rep_w, 3)],
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, in_r, 0),
+                    (os.POSIX_SPAWN_DUP2, rep_w, 3),
+                    (os.POSIX_SPAWN_DUP2, wake_r, 4),
+                ],
             )
         except BaseException:
-            for fd in (in_w, rep_r):
+            for fd in (in_w, rep_r, wake_w):
                 os.close(fd)
             raise
         finally:
-            for fd in (in_r, rep_w):
+            for fd in (in_r, rep_w, wake_r):
                 os.close(fd)
+        os.set_blocking(wake_w, False)
+        self._wake_fd = wake_w
         # writes never block: what the pipe does not take stays queued (see _pump)
         os.set_blocking(in_w, False)
         with contextlib.suppress(OSError):  # a larger pipe holds more of a burst; the default works too
@@ -103,8 +112,8 @@ class SinkHost:
                 raise ConfigError(f"sink host could not start its sinks: {ready['error']}")
         except BaseException:
             self._kill()
-            os.close(self.out_fd)
-            os.close(self._reply_fd)
+            for fd in (self.out_fd, self._reply_fd, self._wake_fd):
+                os.close(fd)
             raise
         self.metrics_port: int | None = ready.get("prometheus_port")
 
@@ -163,6 +172,8 @@ class SinkHost:
                 with self._wlock:
                     os.close(self.out_fd)
                     self.out_fd = -1
+                    os.close(self._wake_fd)
+                    self._wake_fd = -1
                 os.close(self._reply_fd)
                 if self.returncode is None:
                     _UNREAPED.add(self)
@@ -221,7 +232,8 @@ class SinkHost:
             frame = frames[0]
             try:
                 n = os.write(self.out_fd, frame[0])
-            except BlockingIOError:
+            except BlockingIOError:  # the pipe is full: the child reads it now, not at its next look
+                self._ring()
                 return
             except OSError as exc:  # BrokenPipeError: the child is gone, and what is queued with it
                 self._discard(0, begun_too=True)
@@ -229,11 +241,18 @@ class SinkHost:
             if n < len(frame[0]):
                 frame[0] = frame[0][n:]
                 frame[2] = True
+                self._ring()
                 return
             frames.popleft()
             self.queued_events -= frame[1]
             self.sent_events += frame[1]
             self._frames_written += 1
+
+    def _ring(self) -> None:
+        """Wake the child (it reads the frames' pipe at once). The caller holds _wlock."""
+        if self._wake_fd >= 0:
+            with contextlib.suppress(BlockingIOError, BrokenPipeError):  # a byte waits already / it is gone
+                os.write(self._wake_fd, b"w")
 
     def _discard(self, keep: int, *, begun_too: bool = False) -> None:
         """Drop the oldest event frames not begun until at most ``keep`` events are queued
@@ -271,6 +290,8 @@ class SinkHost:
             n = self._queue(HEADER.pack(kind, len(payload)) + payload, 0)
             self._pump()
         self._wait_written(n, deadline)
+        with self._wlock:  # a request is answered at once, not at the child's next look
+            self._ring()
 
     def _reply(self, deadline: float) -> dict[str, Any]:
         while b"\n" not in self._buf:

@@ -284,3 +284,150 @@ def test_a_parent_that_audits_and_a_hosted_auditor_count_each_violation_once(con
     c.log.close()
     lines = [json.loads(x) for x in lines_file.read_text().splitlines()]
     assert len([x for x in lines if x["event"] == "hicache.audit_violation"]) == len(logged)
+
+
+# ------------------------------------------------ how the child reads its frames
+def _frame(kind: bytes, payload: bytes) -> bytes:
+    from hicache_obs.exporters.sinkhost.wire import HEADER
+
+    return HEADER.pack(kind, len(payload)) + payload
+
+
+def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() -> None:
+    from hicache_obs.exporters.sinkhost.child import FrameReader
+    from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
+
+    frames = [(EVENTS, b"x" * 300), (FLUSH, b"17"), (EVENTS, b""), (CLOSE, b"")]
+    data = b"".join(_frame(k, p) for k, p in frames)
+    for step in (1, 2, 5, 6, 7, 64, len(data)):  # every split, a header split inside itself too
+        r, w = os.pipe()
+        try:
+            reader = FrameReader(r)
+            got = []
+            for at in range(0, len(data), step):
+                os.write(w, data[at : at + step])
+                assert reader.fill()
+                while (f := reader.next()) is not None:
+                    got.append(f)
+            assert got == frames and reader.partial == 0
+            assert not reader.fill() and not reader.eof  # nothing waits: no blocking, no end
+            os.write(w, _frame(EVENTS, b"abc")[:6])  # a frame cut short by the writer's exit
+            os.close(w)
+            w = -1
+            reader.fill()
+            assert reader.eof and reader.next() is None and reader.partial == 6
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+
+
+def _syscall_of(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError as exc:
+        pytest.skip(f"/proc/{pid}/syscall cannot be read here: {exc}")
+
+
+def test_an_idle_host_waits_on_its_wake_descriptor_not_on_the_frames_pipe(controller: Any) -> None:
+    """A child asleep in a read of the frames' pipe is woken by every batch the producer
+    writes (an interrupt to its CPU, paid in the producer's write); this one sleeps in
+    ``poll`` on fd 4 and reads the pipe on its own timer, yet handles every batch."""
+    import time
+
+    c = controller("tiny_hybrid", audit=False)
+    feeder = add_sink_host(c.log, [{"sink": "prometheus"}])
+    host = feeder.sink
+    run_workload(c, rounds=1)
+    c.log.flush()
+    seen = set()
+    for _ in range(200):  # the child's sleeps: poll(fds, 1 fd, timeout) on fd 4, never read(0, ...)
+        call = _syscall_of(host.pid)
+        if call[0] in ("running", "-1"):
+            continue
+        seen.add(call[0])
+        if call[0] == "7":  # poll: its fds array holds fd 4
+            fds = int(call[1], 16)
+            mem = Path(f"/proc/{host.pid}/mem")
+            try:
+                with mem.open("rb") as f:
+                    f.seek(fds)
+                    assert int.from_bytes(f.read(4), "little", signed=True) == 4
+            except OSError:
+                pass
+        time.sleep(0.001)
+    assert seen, "the child was never seen asleep"
+    assert "0" not in seen, f"the child slept in read (syscalls seen: {sorted(seen)})"  # x86-64: 0 is read, 7 is poll
+    before = host.stats["events"]
+    run_workload(c, rounds=1)
+    c.log.flush()  # the wake byte: answered now, with every batch written while it slept
+    assert host.stats["events"] == len(c.log) > before
+    c.log.close()
+    assert host.wait(10) == 0 and feeder.stats()["dropped"] == 0
+
+
+def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(tmp_path: Path) -> None:
+    """``python -m hicache_obs.exporters.sinkhost --reply-fd FD SPECS``, by hand: the same frames, the same replies."""
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import AllocationFailed
+    from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
+
+    log = EventLog()
+    for i in range(300):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    events = log.events()
+    rep_r, rep_w = os.pipe()
+    specs = json.dumps([{"sink": "jsonl", "dir": str(tmp_path / "log")}])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", str(rep_w), specs],
+        stdin=subprocess.PIPE,
+        pass_fds=(rep_w,),
+    )
+    os.close(rep_w)
+    replies = os.fdopen(rep_r, "rb")
+    try:
+        assert json.loads(replies.readline())["ready"] is True
+        assert proc.stdin is not None
+        enc = msgspec.msgpack.Encoder()
+        proc.stdin.write(_frame(EVENTS, enc.encode(events[:100])) + _frame(EVENTS, enc.encode(events[100:])))
+        proc.stdin.write(_frame(FLUSH, b"5"))
+        proc.stdin.flush()
+        flushed = json.loads(replies.readline())
+        assert flushed["flushed"] == 5 and flushed["stats"]["events"] == 300 and flushed["stats"]["batches"] == 2
+        proc.stdin.write(_frame(CLOSE, b""))
+        proc.stdin.flush()
+        assert json.loads(replies.readline())["closed"] is True
+        assert proc.wait(30) == 0
+    finally:
+        replies.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert [e.requested for e in replay(tmp_path / "log").events] == list(range(300))
+
+
+def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tmp_path: Path) -> None:
+    """The parent's ends of the pipes close (its exit) with no CLOSE frame: the child reads
+    what the pipe held, closes its sinks and exits, even while its wake descriptor says nothing."""
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import AllocationFailed
+
+    log = EventLog(rank=1)
+    for i in range(2000):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    host = SinkHost([{"sink": "jsonl", "dir": str(tmp_path / "log")}])
+    events = log.events()
+    for i in range(0, len(events), 256):
+        host.push(host.encode(events[i : i + 256]), len(events[i : i + 256]), 100_000, None)
+    assert host.queued_events == 0
+    # as at the parent's exit: every descriptor to the child closes, nothing else is said
+    os.close(host.out_fd)
+    os.close(host._wake_fd)  # the test stands in for the parent's exit
+    os.close(host._reply_fd)
+    assert host.wait(30) == 0
+    assert [e.requested for e in replay(tmp_path / "log").events] == list(range(2000))

@@ -331,7 +331,8 @@ def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
     assert "exe = shutil.which(command[0])" in launcher  # the argv the user gave, no shell
     text = (ROOT / "exporters" / "sinkhost" / "client.py").read_text(encoding="utf-8")
     assert (
-        'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", json.dumps(self.specs)]'
+        'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", "--wake-fd", "4"]'
         in text
     )
+    assert "argv.append(json.dumps(self.specs))" in text
     assert "os.posix_spawn(\n                sys.executable,\n                argv," in text
