@@ -18,13 +18,15 @@ waiting (after ``interval``, 50 ms) or when queued frames fit into the pipe agai
 ``log.add_sink(host)`` still works: a :class:`~hicache_obs.events.sinks.SinkRunner`
 thread then calls :meth:`SinkHost.handle_batch`, which waits for room in the pipe.
 
-The child does not wait on the pipe: it reads what the pipe holds every millisecond while
-batches come, backing off to every 16 ms while none do, and at once when the parent
+While batches come the child does not wait on the pipe: it reads what the pipe holds every
+millisecond, backing off to every 16 ms while none come, and at once when the parent
 writes a byte to its wake descriptor (fd 4: after a flush or close request, or when the
 pipe is full). A child asleep in a read of the pipe would be woken by each batch, and the
 producer's write pays for that wake-up: on this project's 2-core virtual machine a
-256-event hand-off cost about 190 us with it and 135 us without (``take`` timed in the
-SGLang bench workload).
+256-event hand-off cost about 190 us with it and 135-140 us without (``take`` timed in
+the SGLang bench workload). After a quarter second with no batch the child sleeps on the
+pipe as well, so an idle host costs no CPU time and only the first batch after a pause
+wakes it.
 
 The sinks are described, not passed, as JSON-able dicts (the child builds them):
 

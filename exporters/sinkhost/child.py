@@ -3,13 +3,15 @@
 Run as ``python -m hicache_obs.exporters.sinkhost --reply-fd FD --wake-fd FD SPECS`` by
 :class:`SinkHost`.
 
-With ``--wake-fd`` the child never waits on the frames' pipe itself: it reads what the pipe
-holds every millisecond while frames come, less often (up to every ``IDLE_S``) while none
-do, and at once when the parent writes a byte to the wake descriptor (after a flush or
-close request, or when the pipe is full). A reader asleep on the pipe would be woken by
-every batch the producer writes, and on a virtual machine that wake-up (an interrupt to
-another CPU) costs the producer's thread tens of microseconds a batch. Without
-``--wake-fd`` it reads the pipe as it blocks (a child started by hand).
+With ``--wake-fd`` the child does not wait on the frames' pipe while frames come: it reads
+what the pipe holds every millisecond, less often (up to every ``IDLE_S``) while none come,
+and at once when the parent writes a byte to the wake descriptor (after a flush or close
+request, or when the pipe is full). A reader asleep on the pipe would be woken by every
+batch the producer writes, and on a virtual machine that wake-up (an interrupt to another
+CPU) costs the producer's thread tens of microseconds a batch. Once none came for
+``SLEEP_AFTER_S`` it sleeps on the pipe too, so an idle child costs no CPU time and only
+the first batch after a pause wakes it. Without ``--wake-fd`` it reads the pipe as it
+blocks (a child started by hand).
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import msgspec
 from .specs import check_specs
 from .wire import CLOSE, EVENTS, FLUSH, HEADER, read_exact
 
-__all__ = ["BUSY_S", "FrameReader", "HostAudit", "IDLE_S", "build_sinks", "main"]
+__all__ = ["BUSY_S", "FrameReader", "HostAudit", "IDLE_S", "SLEEP_AFTER_S", "build_sinks", "main"]
 
-#: How often the child reads the frames' pipe while frames come, and at most while none do.
+#: How often the child reads the frames' pipe while frames come, and at most while none do;
+#: after how long without any it sleeps until the pipe has something (its CPU time idle: none).
 BUSY_S = 0.001
 IDLE_S = 0.016
+SLEEP_AFTER_S = 0.25
 
 
 def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any], list[Any]]:
@@ -222,24 +226,40 @@ def _blocking_frames(inp: Any) -> Any:
 
 
 def _polled_frames(fd: int, wake_fd: int) -> Any:
-    """The frames of pipe ``fd`` read on a timer (BUSY_S while they come, backing off to
-    IDLE_S while none do) or when ``wake_fd`` is readable; ending when the writer goes."""
+    """The frames of pipe ``fd``, read on a timer while they come (every BUSY_S, backing off
+    to IDLE_S while none do) or when ``wake_fd`` is readable; after SLEEP_AFTER_S with none,
+    the child sleeps until the pipe or ``wake_fd`` has something. Ends when the writer goes."""
     frames = FrameReader(fd)
     poller = select.poll()
     poller.register(wake_fd, select.POLLIN)
     wake_open = True
+    watching_pipe = False
     wait = BUSY_S
+    last = time.monotonic()
     while True:
         got = frames.fill()
         while (frame := frames.next()) is not None:
             yield frame
         if frames.eof:
             return
-        wait = BUSY_S if got else min(IDLE_S, wait * 2)
-        if not wake_open:
+        now = time.monotonic()
+        if got:
+            last, wait = now, BUSY_S
+        else:
+            wait = min(IDLE_S, wait * 2)
+        asleep = now - last >= SLEEP_AFTER_S  # nothing came for a while: the next batch may wake it
+        if asleep != watching_pipe:
+            if asleep:
+                poller.register(fd, select.POLLIN)
+            else:
+                poller.unregister(fd)
+            watching_pipe = asleep
+        if not (wake_open or watching_pipe):
             time.sleep(wait)
             continue
-        for _fd, ev in poller.poll(int(wait * 1000) or 1):
+        for ready, ev in poller.poll(-1 if asleep else int(wait * 1000) or 1):
+            if ready != wake_fd:
+                continue  # the pipe: read at the top of the loop
             data = os.read(wake_fd, 4096) if ev & select.POLLIN else b""
             if not data:  # the parent closed its end: the frames' pipe says when it is gone
                 poller.unregister(wake_fd)
