@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from .specs import check_specs
-from .wire import CLOSE, EVENTS, FLUSH, HEADER, read_exact
+from .wire import CLOSE, EVENTS, FLUSH, HEADER, PIPE_BYTES, read_exact
 
 __all__ = ["BUSY_S", "FrameReader", "HostAudit", "IDLE_S", "SLEEP_AFTER_S", "build_sinks", "main"]
 
@@ -170,20 +170,30 @@ def call_all(sinks: list[Any], method: str, errors: dict[str, int], *args: Any) 
 
 class FrameReader:
     """The frames on a pipe, read without blocking: :meth:`fill` takes what the pipe holds,
-    :meth:`next` returns the next whole frame (kind, payload) or None; ``eof`` once the
-    writer closed its end (the parent went away)."""
+    up to about ``limit`` bytes not handled yet, :meth:`next` returns the next whole frame
+    (kind, payload) or None; ``full`` when the last fill stopped at ``limit`` (more may
+    wait), ``eof`` once the writer closed its end (the parent went away).
 
-    def __init__(self, fd: int) -> None:
+    The bound keeps the child's memory at about one pipe's worth whatever the parent has
+    queued: each read makes room in the pipe, and the parent fills it again."""
+
+    def __init__(self, fd: int, limit: int = PIPE_BYTES) -> None:
         os.set_blocking(fd, False)
         self.fd = fd
+        self.limit = limit
         self.eof = False
+        self.full = False
         self._buf = bytearray()
         self._at = 0
 
     def fill(self) -> bool:
-        """Read what the pipe holds now; True if anything came."""
+        """Read what the pipe holds now, up to ``limit`` bytes waiting; True if anything came."""
         got = False
+        self.full = False
         while not self.eof:
+            if len(self._buf) - self._at >= self.limit:
+                self.full = True
+                break
             try:
                 chunk = os.read(self.fd, 1 << 20)
             except BlockingIOError:
@@ -206,13 +216,23 @@ class FrameReader:
         end = at + HEADER.size + n
         if len(buf) < end:
             return None
-        self._at = end
-        return kind, bytes(buf[at + HEADER.size : end])
+        with memoryview(buf) as view:  # one copy, and no view left when the buffer changes
+            payload = bytes(view[at + HEADER.size : end])
+        if end == len(buf):  # all handled: an idle child keeps no burst's buffer
+            buf.clear()
+            self._at = 0
+        else:
+            self._at = end
+        return kind, payload
 
     @property
     def partial(self) -> int:
         """Bytes of a frame not whole yet."""
         return len(self._buf) - self._at
+
+
+def _cut_short(n: int) -> None:
+    print(f"hicache sink host: the parent went away in the middle of a frame ({n} bytes of it came)", file=sys.stderr)
 
 
 def _blocking_frames(inp: Any) -> Any:
@@ -222,7 +242,11 @@ def _blocking_frames(inp: Any) -> Any:
         if len(header) < HEADER.size:
             return
         kind, n = HEADER.unpack(header)
-        yield kind, read_exact(inp, n)
+        payload = read_exact(inp, n)
+        if len(payload) < n:
+            _cut_short(HEADER.size + len(payload))
+            return
+        yield kind, payload
 
 
 def _polled_frames(fd: int, wake_fd: int) -> Any:
@@ -241,7 +265,11 @@ def _polled_frames(fd: int, wake_fd: int) -> Any:
         while (frame := frames.next()) is not None:
             yield frame
         if frames.eof:
+            if frames.partial:
+                _cut_short(frames.partial)
             return
+        if frames.full:  # more waits in the pipe: read it now
+            continue
         now = time.monotonic()
         if got:
             last, wait = now, BUSY_S

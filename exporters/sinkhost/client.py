@@ -69,9 +69,15 @@ class SinkHost:
         # the child's stdin (batches and commands), fd 3 (replies) and fd 4 (a byte there wakes
         # it: it reads stdin on a timer, so a batch written costs no wake-up); no shell, a
         # fixed argv, and no other descriptor of this process (Python's are not inheritable)
-        in_r, in_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        wake_r, wake_w = os.pipe()
+        fds: list[int] = []
+        try:
+            for _ in range(3):
+                fds.extend(os.pipe())
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        in_r, in_w, rep_r, rep_w, wake_r, wake_w = fds
         argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", "--wake-fd", "4"]
         argv.append(json.dumps(self.specs))
         try:
@@ -99,8 +105,6 @@ class SinkHost:
         with contextlib.suppress(OSError):  # a larger pipe holds more of a burst; the default works too
             fcntl.fcntl(in_w, F_SETPIPE_SZ, PIPE_BYTES)
         self.out_fd = in_w
-        self._writable = select.poll()
-        self._writable.register(in_w, select.POLLOUT)
         self._reply_fd = rep_r
         # _wlock: the frame queue and the pipe (held briefly); _rlock: one request and its
         # reply at a time (flush, close), which must not hold up the frames of the producer
@@ -206,7 +210,7 @@ class SinkHost:
                     left = block_until - time.monotonic()
                     if left <= 0:
                         break
-                    self._writable.poll(max(1, int(left * 1000)))
+                    self._wait_writable(left)
                     self._pump()
             if self.queued_events > keep:
                 self._discard(keep)
@@ -248,6 +252,18 @@ class SinkHost:
             self.sent_events += frame[1]
             self._frames_written += 1
 
+    def _wait_writable(self, seconds: float | None) -> None:
+        """Sleep until the pipe to the child takes more, at most ``seconds`` (None: no bound).
+        A poll object of its own: a producer waiting in ``push`` and a flush waiting in
+        ``_wait_written`` may both be here (one object polled from two threads is a
+        ``RuntimeError``)."""
+        fd = self.out_fd
+        if fd < 0:
+            return
+        p = select.poll()
+        p.register(fd, select.POLLOUT)
+        p.poll(None if seconds is None else max(1, int(seconds * 1000)))
+
     def _ring(self) -> None:
         """Wake the child (it reads the frames' pipe at once). The caller holds _wlock."""
         if self._wake_fd >= 0:
@@ -281,7 +297,7 @@ class SinkHost:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise SinkHostError(f"sink host pid {self.pid} did not take its input in time")
-            self._writable.poll(None if left is None else max(1, int(left * 1000)))
+            self._wait_writable(left)
 
     def _request(self, kind: bytes, payload: bytes, deadline: float) -> None:
         with self._wlock:

@@ -310,6 +310,7 @@ def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() ->
                 while (f := reader.next()) is not None:
                     got.append(f)
             assert got == frames and reader.partial == 0
+            assert len(reader._buf) == 0  # all handled: nothing of the burst is kept
             assert not reader.fill() and not reader.eof  # nothing waits: no blocking, no end
             os.write(w, _frame(EVENTS, b"abc")[:6])  # a frame cut short by the writer's exit
             os.close(w)
@@ -320,6 +321,113 @@ def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() ->
             os.close(r)
             if w >= 0:
                 os.close(w)
+
+
+def test_the_frame_reader_holds_about_its_limit_whatever_the_pipe_holds() -> None:
+    from hicache_obs.exporters.sinkhost.child import FrameReader
+    from hicache_obs.exporters.sinkhost.wire import EVENTS
+
+    frames = [(EVENTS, bytes([i]) * 300) for i in range(150)]  # 45 KB: the pipe holds them all
+    r, w = os.pipe()
+    try:
+        os.write(w, b"".join(_frame(k, p) for k, p in frames))
+        reader = FrameReader(r, limit=1000)
+        got = []
+        fills = 0
+        while True:
+            reader.fill()
+            fills += 1
+            assert reader.partial < 1000 + (1 << 20)  # the limit, and at most one read past it
+            while (f := reader.next()) is not None:
+                got.append(f)
+            if not reader.full:
+                break
+        assert got == frames and not reader.eof
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _memory_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    pytest.skip(f"/proc/{pid}/status has no {field}")
+
+
+def test_a_host_that_fell_behind_reads_the_backlog_a_pipe_at_a_time() -> None:
+    """A child stopped while the parent queued 16 MiB: it reads about a pipe's worth, handles
+    it, reads on; its memory stays near what it was (it read the whole backlog first before)."""
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import AllocationFailed
+
+    log = EventLog()
+    for i in range(256):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    events = log.events()
+    host = SinkHost([{"sink": "prometheus"}])
+    frame = host.encode(events)
+    n = (16 << 20) // len(frame)
+    host.flush()
+    before = _memory_kb(host.pid, "VmHWM")
+    os.kill(host.pid, signal.SIGSTOP)
+    try:
+        for _ in range(n):
+            host.push(frame, len(events), 1 << 30, None)
+        assert host.queued_events > 0  # most of it waits in the parent: the pipe is full
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+    host.flush(120)
+    assert host.stats["events"] == n * len(events) and host.discarded_events == 0
+    grew = _memory_kb(host.pid, "VmHWM") - before
+    assert grew < 8 << 10, f"the child grew by {grew} kB reading a {len(frame) * n >> 10} kB backlog"
+    host.close()
+    assert host.wait(10) == 0
+
+
+def test_a_blocked_push_and_a_flush_wait_for_the_pipe_together() -> None:
+    """A producer waiting for room (policy block) while another thread's flush waits for the
+    same pipe: both wait, neither fails (one poll object polled from two threads raises)."""
+    import threading
+    import time
+
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import AllocationFailed
+
+    log = EventLog()
+    for i in range(256):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    events = log.events()
+    host = SinkHost([{"sink": "prometheus"}])
+    frame = host.encode(events)
+    os.kill(host.pid, signal.SIGSTOP)
+    failures: list[BaseException] = []
+    try:
+        for _ in range(200):
+            host.push(frame, len(events), 1 << 30, None)
+        waiting = host.queued_events
+        assert waiting > 0
+
+        def flush() -> None:
+            try:
+                host.flush(30)
+            except BaseException as exc:  # reported by the test
+                failures.append(exc)
+
+        t = threading.Thread(target=flush)
+        t.start()
+        time.sleep(0.2)  # the flush waits for room in the pipe
+        host.push(frame, len(events), 1000, time.monotonic() + 0.3)  # waits 0.3 s, then drops the oldest
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+    t.join(60)
+    assert not failures and not t.is_alive()
+    pushed = 201 * len(events)
+    assert host.discarded_events > 0
+    host.flush(30)
+    assert host.stats["events"] + host.discarded_events == pushed == host.sent_events + host.discarded_events
+    host.close()
+    assert host.wait(10) == 0
 
 
 def _sleeps_of(pid: int, seconds: float) -> list[tuple[int, tuple[int, ...], int]]:
@@ -426,7 +534,7 @@ def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(t
     assert [e.requested for e in replay(tmp_path / "log").events] == list(range(300))
 
 
-def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tmp_path: Path) -> None:
+def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tmp_path: Path, capfd: Any) -> None:
     """The parent's ends of the pipes close (its exit) with no CLOSE frame: the child reads
     what the pipe held, closes its sinks and exits, even while its wake descriptor says nothing."""
     from hicache_obs.events.log import EventLog
@@ -440,9 +548,11 @@ def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tm
     for i in range(0, len(events), 256):
         host.push(host.encode(events[i : i + 256]), len(events[i : i + 256]), 100_000, None)
     assert host.queued_events == 0
+    os.write(host.out_fd, host.encode(events[:3])[:20])  # a frame cut short by the exit
     # as at the parent's exit: every descriptor to the child closes, nothing else is said
     os.close(host.out_fd)
     os.close(host._wake_fd)  # the test stands in for the parent's exit
     os.close(host._reply_fd)
     assert host.wait(30) == 0
     assert [e.requested for e in replay(tmp_path / "log").events] == list(range(2000))
+    assert "went away in the middle of a frame (20 bytes of it came)" in capfd.readouterr().err
