@@ -657,6 +657,7 @@ def bench_sglang_here(
         cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
         counter[0] += 1
         in_process_events[0] = 0
+        flush_s[0] = 0.0
         out_dir = tmp / str(counter[0])
         out_dir.mkdir()
         log = EventLog(capacity=100_000)
@@ -680,7 +681,10 @@ def bench_sglang_here(
 
                     def go(into: EventLog = into) -> None:
                         sglang_workload(harness, plan, batch)
+                        f0 = time.perf_counter()
                         into.flush()  # the sink host (if any) handled every event of this run
+                        if into is log:
+                            flush_s[0] += time.perf_counter() - f0
 
                     run(name, go, wall, cpu)
                 finally:
@@ -694,15 +698,23 @@ def bench_sglang_here(
             run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
         finally:
             log.close()
+        host_stats: dict[str, Any] = {}
         for runner in log.sinks:  # a ratio measured while sinks lost events would flatter them
             st = runner.stats()
             if st["dropped"] or st["errors"]:
                 raise RuntimeError(f"sglang bench: sink {getattr(runner, 'name', runner)} lost events: {st}")
+            host_stats = getattr(getattr(runner, "sink", None), "stats", None) or host_stats
+        if host_stats.get("events"):  # the child's CPU time from ready to close, per event it handled
+            host_cpu_per_event.append(host_stats["cpu_s"] / host_stats["events"] * 1e6)
+        flush_per_run.append(flush_s[0] / slices)
         events[0] = log.published
         return wall, cpu
 
     events = [0]
     in_process_events = [0]
+    flush_s = [0.0]  # the round's waits for the sink host at the end of its instrumented runs
+    flush_per_run: list[float] = []
+    host_cpu_per_event: list[float] = []
     ops = 2 * len(plan) * slices  # per round and side
     got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
     got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
@@ -710,6 +722,8 @@ def bench_sglang_here(
     gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
     try:
         one_round()  # warm up both (first calls, the adapter's first instrumentation)
+        flush_per_run.clear()
+        host_cpu_per_event.clear()
         for _ in range(rounds):
             wall, cpu = one_round()
             for name in got:
@@ -755,6 +769,11 @@ def bench_sglang_here(
         "in_process_ratio_spread": [rp.lo, rp.hi],
         "in_process_per_op_us": statistics.median(per_op_in_process),
         "in_process_events": in_process_events[0],  # of one round's in-process runs, as ``events``
+        # of the sink host's share: the wait at the end of each instrumented run for the child to
+        # handle what was handed over last (its work on the run's last batch), per operation, and
+        # the child's CPU time per event it handled (beside the controller, on another core)
+        "flush_wait_per_op_us": statistics.median(flush_per_run) / (ops / slices) * 1e6,
+        "sink_host_cpu_us_per_event": statistics.median(host_cpu_per_event) if host_cpu_per_event else None,
         "io_backend": harness.io_backend,
         "layout": harness.layout,
         "model": spec.name,

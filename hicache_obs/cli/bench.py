@@ -147,4 +147,9 @@ def _sglang_line(sg: dict[str, Any]) -> str:
             if "in_process_ratio" in sg
             else ""
         )
+        + (
+            f"; the wait for the sink host at each run's end {sg['flush_wait_per_op_us']:.0f} us an operation"
+            if "flush_wait_per_op_us" in sg
+            else ""
+        )
     )

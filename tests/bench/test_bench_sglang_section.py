@@ -81,5 +81,7 @@ def test_line_of_a_measured_and_a_failed_section() -> None:
     assert split == line + "; into an in-process log with no sinks 1.012, +11 us"
     faster = _sglang_line({**measured, "per_op_overhead_us": -3.2, "in_process_ratio": 0.99, "in_process_per_op_us": -7})
     assert "-3 us per operation" in faster and faster.endswith("no sinks 0.990, -7 us")  # a run's noise, signed
+    waited = _sglang_line({**measured, "in_process_ratio": 1.012, "in_process_per_op_us": 10.6, "flush_wait_per_op_us": 38.4})
+    assert waited == split + "; the wait for the sink host at each run's end 38 us an operation"
     failed = _sglang_line({"available": True, "release": "0.5.23", "error": "the SGLang bench exited 1: boom"})
     assert failed == "sglang 0.5.23: the bench failed: the SGLang bench exited 1: boom"

@@ -23,6 +23,10 @@ def test_sglang_section_measures_the_real_controller() -> None:
     assert out["overhead_ratio"] > 0 and out["controller_cpu_ratio"] > 0 and out["in_process_ratio"] > 0
     # the in-process runs instrumented the same workload: as many events as the sink host's
     assert out["in_process_events"] == out["events"] > 0
+    # each instrumented run ended in a flush the sink host answered, after handling events
+    assert math.isfinite(out["flush_wait_per_op_us"]) and out["flush_wait_per_op_us"] > 0
+    assert math.isfinite(out["sink_host_cpu_us_per_event"]) and out["sink_host_cpu_us_per_event"] > 0
+    assert "; the wait for the sink host at each run's end " in _sglang_line(out)
     lo, hi = out["overhead_ratio_spread"]
     q1, q3 = out["overhead_ratio_iqr"]
     assert lo <= q1 <= out["overhead_ratio"] <= q3 <= hi
