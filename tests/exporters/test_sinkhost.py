@@ -293,6 +293,17 @@ def _frame(kind: bytes, payload: bytes) -> bytes:
     return HEADER.pack(kind, len(payload)) + payload
 
 
+def _allocation_failures(n: int) -> list[Any]:
+    """``n`` events of a log: AllocationFailed with ``requested`` 0 .. n-1."""
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import AllocationFailed
+
+    log = EventLog()
+    for i in range(n):
+        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    return log.events()
+
+
 def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() -> None:
     from hicache_obs.exporters.sinkhost.child import FrameReader
     from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
@@ -358,13 +369,7 @@ def _memory_kb(pid: int, field: str) -> int:
 def test_a_host_that_fell_behind_reads_the_backlog_a_pipe_at_a_time() -> None:
     """A child stopped while the parent queued 16 MiB: it reads about a pipe's worth, handles
     it, reads on; its memory stays near what it was (it read the whole backlog first before)."""
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import AllocationFailed
-
-    log = EventLog()
-    for i in range(256):
-        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
-    events = log.events()
+    events = _allocation_failures(256)
     host = SinkHost([{"sink": "prometheus"}])
     frame = host.encode(events)
     n = (16 << 20) // len(frame)
@@ -391,13 +396,7 @@ def test_a_blocked_push_and_a_flush_wait_for_the_pipe_together() -> None:
     import threading
     import time
 
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import AllocationFailed
-
-    log = EventLog()
-    for i in range(256):
-        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
-    events = log.events()
+    events = _allocation_failures(256)
     host = SinkHost([{"sink": "prometheus"}])
     frame = host.encode(events)
     os.kill(host.pid, signal.SIGSTOP)
@@ -496,14 +495,9 @@ def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(t
 
     import msgspec
 
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import AllocationFailed
     from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
 
-    log = EventLog()
-    for i in range(300):
-        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
-    events = log.events()
+    events = _allocation_failures(300)
     rep_r, rep_w = os.pipe()
     specs = json.dumps([{"sink": "jsonl", "dir": str(tmp_path / "log")}])
     proc = subprocess.Popen(
@@ -537,14 +531,8 @@ def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(t
 def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tmp_path: Path, capfd: Any) -> None:
     """The parent's ends of the pipes close (its exit) with no CLOSE frame: the child reads
     what the pipe held, closes its sinks and exits, even while its wake descriptor says nothing."""
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import AllocationFailed
-
-    log = EventLog(rank=1)
-    for i in range(2000):
-        log.emit(AllocationFailed, pool="kv", tier="host", requested=i, available=0)
+    events = _allocation_failures(2000)
     host = SinkHost([{"sink": "jsonl", "dir": str(tmp_path / "log")}])
-    events = log.events()
     for i in range(0, len(events), 256):
         host.push(host.encode(events[i : i + 256]), len(events[i : i + 256]), 100_000, None)
     assert host.queued_events == 0
