@@ -17,6 +17,7 @@ blocks (a child started by hand).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -321,6 +322,22 @@ def main(argv: list[str] | None = None) -> int:
     READY_CPU[0] = time.process_time()
     say(ready)
     frames = _blocking_frames(sys.stdin.buffer) if args.wake_fd is None else _polled_frames(0, args.wake_fd)
+    try:
+        code = _serve(frames, sinks, decode, audit, closers, say)
+    finally:
+        if args.wake_fd is not None:  # stdin's file description may be a terminal's, shared
+            with contextlib.suppress(OSError):
+                os.set_blocking(0, True)
+    if code:
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # every sink is closed: skip the interpreter's teardown
+
+
+def _serve(frames: Any, sinks: list[Any], decode: Any, audit: HostAudit | None, closers: list[Any], say: Any) -> int:
+    """Feed the sinks the frames, answer flushes, close at CLOSE or when the parent goes;
+    2 for a frame of an unknown kind."""
     events = batches = 0
     errors: dict[str, int] = {}
     for kind, payload in frames:
@@ -348,7 +365,5 @@ def main(argv: list[str] | None = None) -> int:
         if audit is not None:
             feed(sinks, [], audit.finish(), errors)
         call_all(sinks, "close", errors)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # every sink is closed: skip the interpreter's teardown
+    return 0
 

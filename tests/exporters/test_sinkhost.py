@@ -534,6 +534,48 @@ def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(t
     assert [e.requested for e in replay(tmp_path / "log").events] == list(range(300))
 
 
+def test_a_child_given_a_wake_descriptor_leaves_its_stdin_blocking_as_it_found_it() -> None:
+    """It reads stdin without blocking; the file description is shared (a terminal's, when
+    started by hand), so it puts the flag back before it exits."""
+    import subprocess
+    import sys
+    import time
+
+    from hicache_obs.exporters.sinkhost.wire import CLOSE
+
+    in_r, in_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    wake_r, wake_w = os.pipe()
+    argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", str(rep_w), "--wake-fd", str(wake_r)]
+    argv.append(json.dumps([{"sink": "audit"}]))
+    proc = subprocess.Popen(
+        argv,
+        stdin=in_r,
+        pass_fds=(rep_w, wake_r),
+    )
+    os.close(rep_w)
+    os.close(wake_r)
+    replies = os.fdopen(rep_r, "rb")
+    try:
+        assert json.loads(replies.readline())["ready"] is True
+        deadline = time.monotonic() + 10
+        while os.get_blocking(in_r) and time.monotonic() < deadline:  # it starts reading after "ready"
+            time.sleep(0.001)
+        assert not os.get_blocking(in_r)  # the child's reading mode, on the description we share
+        os.write(in_w, _frame(CLOSE, b""))
+        os.write(wake_w, b"w")
+        assert json.loads(replies.readline())["closed"] is True
+        assert proc.wait(30) == 0
+        assert os.get_blocking(in_r)
+    finally:
+        replies.close()
+        for fd in (in_r, in_w, wake_w):
+            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_host_whose_parent_goes_away_without_close_still_stores_every_event(tmp_path: Path, capfd: Any) -> None:
     """The parent's ends of the pipes close (its exit) with no CLOSE frame: the child reads
     what the pipe held, closes its sinks and exits, even while its wake descriptor says nothing."""
