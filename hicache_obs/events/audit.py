@@ -626,7 +626,12 @@ class Auditor:
                 by_pool[t.pool] = {t.role: t.numel}
             else:
                 roles[t.role] = t.numel
-            if kernel_on_device and t.device != device and side.get((t.pool, t.role)) != ev.stream:
+            if (
+                kernel_on_device
+                and t.device != device
+                and side.get((t.pool, t.role)) != ev.stream
+                and not (t.role == "host" and t.pool in ev.host_indices_on_cpu)
+            ):
                 self._report(
                     "index_not_on_device",
                     t.pool,

@@ -181,6 +181,9 @@ class TransferSubmitted(Event, frozen=True, kw_only=True):
     bytes_by_pool: tuple[tuple[str, int], ...]
     producer_id: int = -1
     device: str = ""  # the runtime's device ("cpu", "sim:0", "cuda:0")
+    # pools whose copy of this op takes its host indices on the CPU by design (SGLang's staged
+    # write-back kernels address host pages from the CPU), as the host pool said at the copy call
+    host_indices_on_cpu: tuple[str, ...] = ()
 
 
 class TransferCompleted(Event, frozen=True, kw_only=True):

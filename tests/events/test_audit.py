@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from event_workloads import fill, hybrid_round_trip, run_workload
@@ -203,3 +205,33 @@ def test_a_live_auditor_logs_incomplete_operations_at_finish() -> None:
     assert [(f.rule, f.op) for f in found] == [("incomplete_operation", 0)]
     assert [(e.rule, e.op, e.pool) for e in logged] == [("incomplete_operation", 0, "*")]
     assert auditor.finish() == found and len([e for e in c.log.events() if isinstance(e, AuditViolation)]) == 1
+
+
+def _kernel_write(*refs: tuple[str, str, str], **fields: Any) -> list[Any]:
+    from hicache_obs.events.schema import TensorRef, TransferSubmitted
+
+    tensors = tuple(
+        TensorRef(pool=p, role=r, device=d, numel=4, dtype="int64", ptr=64 + i)  # type: ignore[arg-type]
+        for i, (p, r, d) in enumerate(refs)
+    )
+    return [
+        TransferSubmitted(
+            seq=0, ts_ns=0, op=0, direction="d2h", stream="device_to_host_stream", io_backend="kernel",
+            layout="page_first", tensors=tensors, slots_by_pool=(("kv", 4),), bytes_by_pool=(("kv", 0),),
+            device="cuda:0", **fields,
+        )
+    ]  # fmt: skip
+
+
+def test_host_indices_a_staged_write_back_takes_on_the_cpu_are_not_off_device() -> None:
+    def rules(events: list[Any]) -> set[tuple[str, str, str]]:
+        return {p for p in _pairs(audit(events)) if p[0] == "index_not_on_device"}
+
+    write = (("kv", "host", "cpu"), ("kv", "device", "cuda:0"))
+    assert rules(_kernel_write(*write)) == {("index_not_on_device", "kv", "host")}
+    # SGLang's staged write-back kernels address host pages from the CPU: the pool said so at its copy
+    assert rules(_kernel_write(*write, host_indices_on_cpu=("kv",))) == set()
+    # another pool's word does not cover kv, and device indices off the device stay a finding
+    assert rules(_kernel_write(*write, host_indices_on_cpu=("mamba",))) == {("index_not_on_device", "kv", "host")}
+    off = (("kv", "host", "cpu"), ("kv", "device", "cpu"))
+    assert rules(_kernel_write(*off, host_indices_on_cpu=("kv",))) == {("index_not_on_device", "kv", "device")}
