@@ -594,6 +594,7 @@ def bench_sglang_here(
     rounds: int = 5,
     slices: int = 4,
     backends: tuple[tuple[str, str], ...] = SGLANG_BACKENDS,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """The ``sglang`` section, measured in this process (which must have SGLang).
 
@@ -613,14 +614,15 @@ def bench_sglang_here(
     and its sink host are set up before, and the instrumentation attached before and
     detached after each instrumented run, untimed: nothing of it is left while a bare run
     goes (the process-wide ``record_stream`` observer included). ``ops``: writes plus
-    loads of one round's bare (or instrumented) runs.
+    loads of one round's bare (or instrumented) runs. ``device`` ``cuda`` builds SGLang's
+    device pools on the GPU (``harness`` and ``kernels`` say what the copies ran on).
     """
     from hicache_obs.exporters.sinkhost import add_sink_host
 
     from .core.spec import ModelSpec
     from .events.log import EventLog
     from .integrations.sglang import instrument
-    from .integrations.sglang.testing import build_controller, sglang_version
+    from .integrations.sglang.testing import build_controller, kernel_sources, sglang_version
 
     spec = ModelSpec.tiny_hybrid()
     plan = _sglang_plan(nodes, spec.page_size)
@@ -630,7 +632,9 @@ def bench_sglang_here(
     tried: list[str] = []
     h: Any = None
     for io_backend, layout in backends:
-        h = build_controller(spec, io_backend=io_backend, layout=layout, device_size=device_size, host_ratio=2.0)
+        h = build_controller(
+            spec, io_backend=io_backend, layout=layout, device_size=device_size, host_ratio=2.0, device=device
+        )
         free = _sglang_free(h)
         try:
             sglang_workload(h, plan[:batch], batch)  # the release runs this path at all
@@ -638,6 +642,7 @@ def bench_sglang_here(
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             tried.append(f"{io_backend}/{h.layout}: {type(exc).__name__}: {first}")  # and the next backend
+            h.close()
             h = None
             continue
         break
@@ -731,6 +736,7 @@ def bench_sglang_here(
                 got_cpu[name].append(cpu[name])
     finally:
         gc.unfreeze()
+        harness.close()
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -780,8 +786,14 @@ def bench_sglang_here(
         "sinks": [s["sink"] for s in _sglang_sink_specs(tmp)],
         "sink_host": True,
         "controller": type(harness.controller).__name__,
-        # what the copies run on here: per-op times are this harness's, not a GPU's
-        "harness": "CPU: torch stand-ins for sgl_kernel.kvcacheio, CPU streams, CUDA index stand-ins",
+        # what the copies run on here: on a CPU per-op times are this harness's, not a GPU's
+        "harness": (
+            "CPU: torch stand-ins for sgl_kernel.kvcacheio, CPU streams, CUDA index stand-ins"
+            if device == "cpu"
+            else f"CUDA: {torch.cuda.get_device_name(0)}, SGLang's CUDA streams and events, pinned host pools"
+        ),
+        "device": device,
+        "kernels": kernel_sources(),
     }
     if tried:
         out["backends_refused"] = tried

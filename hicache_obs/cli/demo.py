@@ -123,7 +123,7 @@ def register(sub: Any) -> None:
         choices=list(RUNTIME_NAMES),
         default=None,
         metavar="NAME",
-        help=f"%(choices)s (default: {DEFAULT_RUNTIME}; cpu with --engine sglang)",
+        help=f"%(choices)s (default: {DEFAULT_RUNTIME}; cpu or cuda with --engine sglang)",
     )
     p.add_argument(
         "--steps",
@@ -366,7 +366,7 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
 def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
     """``--engine sglang``: refuse what it cannot honour, then build SGLang's pools and controller.
 
-    Resolves ``args.runtime`` (``cpu``) and ``args.layout`` (the release's default when not
+    Resolves ``args.runtime`` (``cpu`` unless ``cuda``) and ``args.layout`` (the release's default when not
     given; the one SGLang really uses, e.g. ``page_first_direct`` for direct + page_first)."""
     from ..integrations.sglang import engine
 
@@ -374,14 +374,15 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
         model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
     )
     engine.require_sglang()
-    args.runtime = engine.ENGINE_RUNTIME
-    layout = args.layout or engine.default_layout()
+    args.runtime = args.runtime or engine.ENGINE_RUNTIME
+    layout = args.layout or engine.default_layout(args.runtime)
     harness = engine.build_harness(
         spec,
         io_backend=args.io_backend,
         layout=layout,
         write_policy=args.write_policy,
         device_tokens=args.device_tokens,
+        runtime=args.runtime,
     )
     args.layout = harness.layout
     return harness

@@ -216,6 +216,8 @@ class _Submission:
     acks: list[Any] = field(default_factory=list)
     # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
     side_moves: list[tuple[str, str, str, str, TensorRef]] = field(default_factory=list)
+    # pools whose copy took CPU host indices by design (a staged write-back kernel)
+    host_indices_on_cpu: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -328,6 +330,17 @@ def _capacity(obj: Any, tier: str) -> tuple[int, int]:
     return (size + 1 if tier == "device" else size), page
 
 
+def _free_lists_on_device(obj: Any) -> bool:
+    """Whether an allocator keeps its free lists in device memory (a GPU): then the index
+    tensors it hands out are there too, and reading their values would sync."""
+    for name in ("free_pages", "release_pages", "free_slots", "release_slots"):
+        v = getattr(obj, name, None)
+        for part in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(part, torch.Tensor) and describe.host_values(part) is None:
+                return True
+    return False
+
+
 def _free_values(obj: Any) -> list[int] | None:
     """Every slot on an allocator's free lists, or None if it keeps none we know."""
     page = int(getattr(obj, "page_size", 1) or 1)
@@ -365,6 +378,7 @@ class Instrumentation:
         self._pending: dict[int, _Pending] = {}  # id(ack) -> op
         self._stream_names: dict[int, str] = {}
         self._slot_bytes: dict[str, int] = {}
+        self._unseen: set[tuple[str, str]] = set()
         self._detached = False
         self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
@@ -404,6 +418,14 @@ class Instrumentation:
     @property
     def detached(self) -> bool:
         return self._detached
+
+    @property
+    def unseen_slot_tiers(self) -> frozenset[tuple[str, str]]:
+        """The ``(pool, tier)`` whose slots this instrumentation does not record: a device
+        tier whose allocator keeps its free lists on a GPU (reading an index tensor there
+        would sync). No ``PoolCreated``, ``SlotsAllocated`` or ``SlotsFreed`` is reported
+        for them, so the slot rules and the occupancy metrics leave them out."""
+        return frozenset(self._unseen)
 
     def detach(self) -> None:
         """Restore the controller exactly as it was. Idempotent."""
@@ -452,6 +474,9 @@ class Instrumentation:
             name = p.name
             self._slot_bytes[name] = int(getattr(p.host, "size_per_token", 0) or 0)
             for obj, tier in ((p.device, "device"), (p.host, "host")):
+                if tier == "device" and _free_lists_on_device(obj):
+                    self._unseen.add((name, tier))
+                    continue
                 cap, page = _capacity(obj, tier)
                 self._emit(
                     PoolCreated,
@@ -480,9 +505,11 @@ class Instrumentation:
             self._wrap(c, name, self._move_wrapper(shape.move_takes_op))
         for p in shape.pools:
             for meth in shape.copy.values():
-                self._wrap(p.host, meth, self._copy_wrapper(p.name))
+                self._wrap(p.host, meth, self._copy_wrapper(p.name, p.host))
             self._wrap(p.host, "alloc", self._alloc_wrapper(p.name, "host"))
             self._wrap(p.host, "free", self._free_wrapper(p.name, "host"))
+            if (p.name, "device") in self._unseen:
+                continue
             for obj, alloc_attr, free_attr in p.device_hooks:
                 self._wrap(obj, alloc_attr, self._alloc_wrapper(p.name, "device"))
                 self._wrap(obj, free_attr, self._free_wrapper(p.name, "device"))
@@ -616,13 +643,15 @@ class Instrumentation:
                     tensor=tensor_ref(dst, pool, role, now),
                 )
 
-    def _copy_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
                 sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
                 watched = self._safely(self._received, sub, pool, host_indices, device_indices)
+                if watched and self._staged_write_back(sub, host_pool) and pool not in sub.host_indices_on_cpu:
+                    sub.host_indices_on_cpu.append(pool)
                 if not watched or self._shape.io_backend != "kernel":
                     # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
@@ -640,6 +669,19 @@ class Instrumentation:
             return copy
 
         return make
+
+    def _staged_write_back(self, sub: _Submission, host_pool: Any) -> bool:
+        """Whether this write's copy takes its host indices on the CPU by design: SGLang's
+        host pools copy a ``page_first`` write with a staged kernel (device pages to a
+        device staging buffer, then to host pages it addresses from the CPU) when
+        ``can_use_write_back_jit`` is set, read at the copy call; the controller then keeps
+        the host indices on the CPU (``_move_write_operation``)."""
+        return (
+            sub.direction == D2H
+            and self._shape.io_backend == "kernel"
+            and self._shape.layout == "page_first"
+            and getattr(host_pool, "can_use_write_back_jit", False) is True
+        )
 
     @staticmethod
     def _received(
@@ -780,6 +822,7 @@ class Instrumentation:
             bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
             producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
             device=self._device,
+            host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
         )
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))

@@ -1,7 +1,8 @@
 """SGLang's real HiCache controller behind the controller API the demo workload drives.
 
 ``hicache-obs demo --engine sglang`` runs :class:`~hicache_obs.workload.Workload`
-unchanged on SGLang's own pools and controller (built on this machine's CPU by
+unchanged on SGLang's own pools and controller (built on this machine's CPU, or with
+``--runtime cuda`` on its GPU, by
 :func:`~hicache_obs.integrations.sglang.testing.build_controller`), instrumented by
 :func:`~hicache_obs.integrations.sglang.instrument`. :class:`SGLangEngine` implements
 exactly the part of :class:`~hicache_obs.core.HiCacheController` the workload uses,
@@ -39,6 +40,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -67,6 +69,7 @@ from .testing import SGLangHarness, build_controller, prepare, sglang_version
 
 __all__ = [
     "ENGINE_RUNTIME",
+    "ENGINE_RUNTIMES",
     "ENGINE_MODELS",
     "SGLangEngine",
     "SGLangHybridEngine",
@@ -76,8 +79,10 @@ __all__ = [
     "require_sglang",
 ]
 
-#: The runtime the engine runs on: SGLang's pools in this machine's memory, copies synchronous.
+#: The runtime the engine runs on by default: SGLang's pools in this machine's memory, copies synchronous.
 ENGINE_RUNTIME = "cpu"
+#: The runtimes the engine runs on: ``cuda`` puts SGLang's device pools on the GPU, with its own streams.
+ENGINE_RUNTIMES = ("cpu", "cuda")
 #: The models the SGLang harness builds (KV, KV + Mamba).
 ENGINE_MODELS = ("tiny", "tiny_hybrid")
 
@@ -94,11 +99,13 @@ def check_options(
             f"--model {model}: the sglang engine builds SGLang's KV and KV + Mamba pools "
             f"({', '.join(ENGINE_MODELS)}), not this model"
         )
-    if runtime is not None and runtime != ENGINE_RUNTIME:
+    if runtime is not None and runtime not in ENGINE_RUNTIMES:
         raise ConfigError(
             f"--runtime {runtime}: the sglang engine runs SGLang's pools in host memory "
-            f"(runtime {ENGINE_RUNTIME}) and drives no other runtime"
+            f"(runtime cpu) or on a GPU (runtime cuda), no other runtime"
         )
+    if runtime == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--runtime cuda: no CUDA device here (torch.cuda.is_available() is False)")
     if layout == "page_first_direct" and io_backend != "direct":
         raise ConfigError(
             f"--layout {layout}: SGLang copies it with --io-backend direct only (its server switches "
@@ -130,10 +137,11 @@ def _quiet_import() -> Iterator[None]:
         yield
 
 
-def default_layout() -> str:
-    """The host layout the installed SGLang release defaults to (``ServerArgs.hicache_mem_layout``)."""
+def default_layout(runtime: str | None = None) -> str:
+    """The host layout the installed SGLang release defaults to (``ServerArgs.hicache_mem_layout``);
+    prepares SGLang for ``runtime`` (default: as prepared, else ``cpu``) to read it."""
     with _quiet_import():
-        prepare()
+        prepare(runtime)
         server_args = importlib.import_module("sglang.srt.server_args").ServerArgs
     value = _class_default(server_args, "hicache_mem_layout")
     if not isinstance(value, str):
@@ -183,12 +191,12 @@ class _DevicePlanes:
             for plane, layers in self._planes.items():
                 src = data[plane]
                 for i, buf in enumerate(layers):
-                    buf[idx] = src[i].to(buf.dtype)
+                    buf[idx] = src[i].to(buf.device, buf.dtype)
 
     def read_slots(self, indices: torch.Tensor) -> dict[str, torch.Tensor]:
         idx = _slots(indices)
         with _PLAIN():
-            return {plane: torch.stack([buf[idx] for buf in layers]) for plane, layers in self._planes.items()}
+            return {plane: torch.stack([buf[idx] for buf in layers]).cpu() for plane, layers in self._planes.items()}
 
 
 class _HostPlanes:
@@ -258,14 +266,43 @@ def _mamba_planes(h: SGLangHarness) -> tuple[_DevicePlanes, _HostPlanes]:
 
 
 class _Indices:
-    """What the workload needs of a runtime: the values of an index tensor, on the host."""
+    """What the workload needs of a runtime: the values of an index tensor, on the host.
 
-    name = ENGINE_RUNTIME
+    ``name`` is where SGLang's device pools are; the workload's own data stays on the
+    host (``device``), the pools' reads come back to it."""
+
     device = "cpu"
     has_device = False
 
+    def __init__(self, name: str) -> None:
+        self.name = name
+
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return _slots(tensor)
+
+
+class _FreeSlots:
+    """A device tier the instrumentation does not see (SGLang's allocator on a GPU), as the
+    workload asks it: its free slots, from the allocator (``available_size``, no sync)."""
+
+    def __init__(self, allocator: Any) -> None:
+        self._allocator = allocator
+
+    @property
+    def available(self) -> int:
+        return int(self._allocator.available_size())
+
+
+@dataclass
+class _EngineState(CacheState):
+    """The fold of the instrumentation log; a tier it has no slots of (:attr:`~hicache_obs.
+    integrations.sglang.adapter.Instrumentation.unseen_slot_tiers`) answers from SGLang's allocator."""
+
+    unseen: dict[tuple[str, str], _FreeSlots] = field(default_factory=dict, repr=False, compare=False)
+
+    def table(self, pool: str, tier: str) -> Any:
+        view = self.unseen.get((pool, tier))
+        return view if view is not None else super().table(pool, tier)
 
 
 # ------------------------------------------------------------------ engine
@@ -288,9 +325,10 @@ class SGLangEngine(HiCacheController):
         self.write_policy = WritePolicy(write_policy)
         self.log = log
         self.rank = log.rank
-        self.runtime = cast(Runtime, _Indices())
+        self.runtime = cast(Runtime, _Indices(harness.device))
         self._closed = False
-        self.state = CacheState()
+        self._engine_state = _EngineState()
+        self.state = self._engine_state
         # op -> its lifecycle record, taken as the op finished in an SGLang call this engine
         # observes (the fold forgets a finished op): what its Ack says
         self._finished: dict[int, OpRecord] = {}
@@ -319,6 +357,8 @@ class SGLangEngine(HiCacheController):
             m_dev, m_host = _mamba_planes(harness)
             self._device["mamba"], self._host["mamba"] = m_dev, m_host
             self._device_alloc["mamba"], self._host_alloc["mamba"] = harness.mamba_allocator, harness.mamba_host
+        for pool, tier in self.instrumentation.unseen_slot_tiers:
+            self._engine_state.unseen[(pool, tier)] = _FreeSlots(self._device_alloc[pool])
         if set(self._device) != set(self.spec.pool_names):
             raise IntegrationError(
                 f"SGLang's pools {sorted(self._device)} are not model {self.spec.name!r}'s {list(self.spec.pool_names)}"
@@ -529,7 +569,8 @@ class SGLangEngine(HiCacheController):
                 ack.finish_event.synchronize()
 
     def close(self) -> None:
-        """Wait for and reap what is in flight, then detach the adapter. Idempotent."""
+        """Wait for and reap what is in flight, detach the adapter and close the harness
+        (:meth:`~hicache_obs.integrations.sglang.testing.SGLangHarness.close`). Idempotent."""
         if self._closed:
             return
         self.synchronize()
@@ -540,6 +581,7 @@ class SGLangEngine(HiCacheController):
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        self.harness.close()
 
     # ---------------------------------------------------------- data access
     def device_pool(self, pool: str = ANCHOR) -> _DevicePlanes:  # type: ignore[override]
@@ -591,7 +633,14 @@ class SGLangHybridEngine(SGLangEngine, HybridCacheController):
 
 # ----------------------------------------------------------------- build
 def build_harness(
-    spec: ModelSpec, *, io_backend: str, layout: str, write_policy: str, device_tokens: int, host_ratio: float = 2.0
+    spec: ModelSpec,
+    *,
+    io_backend: str,
+    layout: str,
+    write_policy: str,
+    device_tokens: int,
+    host_ratio: float = 2.0,
+    runtime: str = ENGINE_RUNTIME,
 ) -> SGLangHarness:
     """SGLang's pools and controller for ``spec``; a one-line :class:`ConfigError` when SGLang refuses them."""
     release = require_sglang()
@@ -604,6 +653,7 @@ def build_harness(
                 device_size=device_tokens,
                 host_ratio=host_ratio,
                 write_policy=write_policy,
+                device=runtime,
             )
     except (ConfigError, IntegrationError):
         raise

@@ -200,23 +200,49 @@ def sglang_version() -> str | None:
         return None
 
 
-def prepare() -> None:
-    """Make SGLang's HiCache modules importable and runnable here. Idempotent.
+DEVICES = ("cpu", "cuda")
+"""Where :func:`build_controller` puts SGLang's device pools."""
 
-    Raises :class:`~hicache_obs.errors.IntegrationError` where SGLang is not installed.
+
+def prepare(device: str | None = None) -> None:
+    """Make SGLang's HiCache modules importable and runnable here, for ``device``. Idempotent.
+
+    ``cpu`` (the default where nothing is prepared yet) installs the CUDA stand-ins
+    this module describes; ``cuda`` uses the GPU as it is and installs only the copy
+    kernels that do not import (sgl-kernel's ``kvcacheio``; see :func:`kernel_sources`).
+    One process is prepared for one of them: the CPU's torch function mode would turn
+    the GPU harness's CUDA tensors into stand-ins. ``None``: whichever is prepared.
+
+    Raises :class:`~hicache_obs.errors.IntegrationError` where SGLang is not installed or
+    the process is prepared for the other device, :class:`~hicache_obs.errors.ConfigError`
+    for an unknown device or ``cuda`` without a CUDA device.
     """
     with _prepared:
-        if _state.get("ready"):
+        ready = _state.get("ready")
+        if device is None:
+            device = ready or "cpu"
+        if device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if ready == device:
             return
+        if ready is not None:
+            raise IntegrationError(
+                f"this process prepared SGLang for device {ready!r}; a {device!r} harness needs a process of its own"
+            )
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' needs a CUDA device: torch.cuda.is_available() is False here")
         if sglang_version() is None:
             raise IntegrationError("SGLang is not installed here (make sglang installs the tested releases)")
         from . import kernels
 
         _install_torchvision_stand_in()
-        kernels.install()
-        mode = _CudaMode()
-        mode.__enter__()  # process-wide for this thread: test support only
-        _state["mode"] = mode
+        installation = kernels.install()
+        if device == "cpu":
+            mode = _CudaMode()
+            mode.__enter__()  # process-wide for this thread: test support only
+            _state["mode"] = mode
+        else:
+            _name_missing_ops(installation)
         # import what the builders use here, in a shallow frame: an SGLang module keeps a
         # reference to the frames that first imported it (and so to their locals)
         for name in _MODULES:
@@ -225,7 +251,113 @@ def prepare() -> None:
             except ImportError:
                 pass
         _bind_kernels()
-        _state["ready"] = True
+        _state["ready"] = device
+
+
+#: What SGLang's HiCache modules import of sgl-kernel beyond ``kvcacheio`` at import time on a
+#: GPU, outside a ``try``/``except ImportError`` (which must keep seeing the ImportError):
+#: module -> names. None of them is called by the HiCache copies.
+SGL_KERNEL_IMPORTS: dict[str, frozenset[str]] = {
+    "sgl_kernel": frozenset(
+        {
+            "fp8_blockwise_scaled_mm",
+            "fp8_scaled_mm",
+            "gelu_and_mul",
+            "gptq_gemm",
+            "gptq_shuffle",
+            "int8_scaled_mm",
+            "moe_align_block_size",
+            "moe_sum",
+            "moe_sum_reduce",
+            "qserve_w4a8_per_chn_gemm",
+            "qserve_w4a8_per_group_gemm",
+            "sgl_per_token_group_quant_fp8",
+            "sgl_per_token_group_quant_int8",
+            "sgl_per_token_quant_fp8",
+            "silu_and_mul",
+        }
+    ),
+    "sgl_kernel.quantization": frozenset(
+        {
+            "ggml_dequantize",
+            "ggml_moe_a8",
+            "ggml_moe_a8_vec",
+            "ggml_moe_get_block_size",
+            "ggml_mul_mat_a8",
+            "ggml_mul_mat_vec_a8",
+        }
+    ),
+}
+
+
+def _placeholder_module(name: str, names: frozenset[str]) -> types.ModuleType:
+    """A ``sgl_kernel`` stand-in module whose ``names`` are placeholder ops that raise, naming
+    themselves, when called; any other name is missing (an ImportError to ``from ... import``)."""
+    module = types.ModuleType(name, "hicache-obs placeholder: this part of sgl-kernel is not installed here")
+    module.__path__ = []  # type: ignore[attr-defined]
+
+    def __getattr__(attr: str) -> Any:
+        if attr not in names:
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+
+        def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise IntegrationError(
+                f"{name}.{attr} is not installed here: hicache-obs stands in for sgl_kernel.kvcacheio only"
+            )
+
+        unavailable.__name__ = unavailable.__qualname__ = attr
+        unavailable.__module__ = name
+        return unavailable
+
+    module.__getattr__ = __getattr__  # type: ignore[attr-defined, method-assign]
+    return module
+
+
+class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The submodules of :data:`SGL_KERNEL_IMPORTS`, where ``sgl_kernel`` is the stand-in package."""
+
+    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
+        parent = sys.modules.get("sgl_kernel")
+        if name in SGL_KERNEL_IMPORTS and name != "sgl_kernel" and getattr(parent, "__hicache_obs_stand_in__", False):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):  # type: ignore[no-untyped-def,override]
+        return _placeholder_module(spec.name, SGL_KERNEL_IMPORTS[spec.name])
+
+    def exec_module(self, module):  # type: ignore[no-untyped-def,override]
+        return None
+
+
+def _name_missing_ops(installation: Any) -> None:
+    """On a GPU, SGLang's modules import more of sgl-kernel than ``kvcacheio`` at import time
+    (:data:`SGL_KERNEL_IMPORTS`). Where the stand-in ``sgl_kernel`` package is in place, those
+    names and submodules are placeholders that raise, naming themselves, if ever called."""
+    package = installation.stand_ins.get("sgl_kernel")
+    if package is None:
+        return
+    package.__getattr__ = _placeholder_module(  # type: ignore[attr-defined, method-assign]
+        "sgl_kernel", SGL_KERNEL_IMPORTS["sgl_kernel"]
+    ).__getattr__
+    if not any(isinstance(f, _SglKernelFinder) for f in sys.meta_path):
+        sys.meta_path.append(_SglKernelFinder())
+
+
+def kernel_sources() -> dict[str, str]:
+    """The copy ops SGLang's prepared host pool modules call: op name -> ``"stand-in"`` (this
+    package's torch implementation) or the module of the real one (``sgl_kernel.kvcacheio``,
+    0.5.23's JIT ``sglang.kernels.ops.mamba.transfer_mamba``)."""
+    from . import kernels
+
+    out: dict[str, str] = {}
+    for name in _POOL_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for op, value in vars(module).items():
+            if op in kernels.OPS and callable(value):
+                out[op] = "stand-in" if value is kernels.OPS[op] else str(getattr(value, "__module__", "?"))
+    return dict(sorted(out.items()))
 
 
 _MODULES = (
@@ -244,16 +376,19 @@ _MODULES = (
 )
 
 
+_POOL_MODULES = (
+    "sglang.srt.mem_cache.memory_pool_host",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.common",
+    "sglang.srt.mem_cache.pool_host._kvcacheio",
+)
+
+
 def _bind_kernels() -> None:
     from . import kernels
 
-    for name in (
-        "sglang.srt.mem_cache.memory_pool_host",
-        "sglang.srt.mem_cache.pool_host.mha",
-        "sglang.srt.mem_cache.pool_host.mamba",
-        "sglang.srt.mem_cache.pool_host.common",
-        "sglang.srt.mem_cache.pool_host._kvcacheio",
-    ):
+    for name in _POOL_MODULES:
         mod = sys.modules.get(name)
         if mod is None:
             try:
@@ -289,6 +424,7 @@ class SGLangHarness:
     io_backend: str = "kernel"
     layout: str = "page_first"
     release: str = ""
+    device: str = "cpu"
     extras: dict[str, Any] = field(default_factory=dict)
 
     # --------------------------------------------------------- allocation
@@ -328,12 +464,12 @@ class SGLangHarness:
         g = torch.Generator().manual_seed(seed)
         with _PLAIN():
             for buf in self._kv_layers():
-                buf[idx] = torch.randn(buf[idx].shape, generator=g).to(buf.dtype)
+                buf[idx] = torch.randn(buf[idx].shape, generator=g).to(buf.device, buf.dtype)
 
     def read_kv(self, indices: torch.Tensor) -> torch.Tensor:
         idx = self._plain(indices)
         with _PLAIN():
-            return torch.stack([buf[idx].float() for buf in self._kv_layers()])
+            return torch.stack([buf[idx].float().cpu() for buf in self._kv_layers()])
 
     def clear_kv(self, indices: torch.Tensor) -> None:
         idx = self._plain(indices)
@@ -346,18 +482,31 @@ class SGLangHarness:
         g = torch.Generator().manual_seed(seed)
         with _PLAIN():
             for buf in self._mamba_layers():  # [layers, slots, ...]
-                buf[:, idx] = torch.randn(buf[:, idx].shape, generator=g).to(buf.dtype)
+                buf[:, idx] = torch.randn(buf[:, idx].shape, generator=g).to(buf.device, buf.dtype)
 
     def read_mamba(self, indices: torch.Tensor) -> list[torch.Tensor]:
         idx = self._plain(indices)
         with _PLAIN():
-            return [buf[:, idx].float().clone() for buf in self._mamba_layers()]
+            return [buf[:, idx].float().cpu() for buf in self._mamba_layers()]
 
     def clear_mamba(self, indices: torch.Tensor) -> None:
         idx = self._plain(indices)
         with _PLAIN():
             for buf in self._mamba_layers():
                 buf[:, idx] = 0
+
+    def close(self) -> None:
+        """Give back what SGLang's host pools hold outside Python: on a GPU, the host memory they
+        registered with CUDA (their ``destroy()``, where the release has one). A harness whose
+        pools are dropped without it leaves that memory registered, and a later pool that the
+        allocator puts at the same address fails to register it (CUDA error 712). Idempotent;
+        the harness is not to be used after it. Nothing to give back on the CPU harness."""
+        if self.device != "cuda":
+            return
+        for pool in (self.kv_host, self.mamba_host):
+            destroy = getattr(pool, "destroy", None)
+            if callable(destroy):
+                destroy()
 
     # --------------------------------------------------------- driving
     def write(self, kv: torch.Tensor, mamba: torch.Tensor | None = None, *, node_id: int = -1) -> tuple[Any, Any]:
@@ -395,12 +544,18 @@ def build_controller(
     device_size: int = 512,
     host_ratio: float = 2.0,
     write_policy: str = "write_through",
+    device: str = "cpu",
 ) -> SGLangHarness:
-    """A real SGLang controller for ``spec`` (``tiny``, ``tiny_hybrid``) on a CPU.
+    """A real SGLang controller for ``spec`` (``tiny``, ``tiny_hybrid``) on a CPU or a GPU.
 
     ``layout`` is the host layout (``page_first``, ``layer_first``, ``page_first_direct``);
     the direct backend turns ``page_first`` into ``page_first_direct`` as SGLang's radix
-    cache does. Raises :class:`~hicache_obs.errors.IntegrationError` without SGLang.
+    cache does. ``device`` ``cpu`` builds the harness this module describes; ``cuda``
+    puts the device pools on the GPU, with SGLang's own CUDA streams and events and
+    pinned host pools, and copies with the real kernels where they import (stand-ins
+    run on the GPU otherwise: :func:`kernel_sources` says which). One process builds
+    for one device (:func:`prepare`). Raises :class:`~hicache_obs.errors.IntegrationError`
+    without SGLang.
     """
     if io_backend not in ("kernel", "direct"):
         raise ConfigError(f"io_backend must be 'kernel' or 'direct', got {io_backend!r}")
@@ -410,13 +565,17 @@ def build_controller(
         raise ConfigError(f"model {spec.name!r}: the SGLang harness builds KV and KV + Mamba models, not SWA")
     if device_size <= 0 or device_size % spec.page_size:
         raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if io_backend == "direct" and layout == "page_first":
         layout = "page_first_direct"
-    prepare()
+    prepare(device)
     release = sglang_version() or ""
-    h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy)
+    h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy, device)
     h.release = release
-    _use_cpu_streams(h.controller)
+    h.device = device
+    if device == "cpu":
+        _use_cpu_streams(h.controller)
     _register_buffers(h)
     return h
 
@@ -490,7 +649,7 @@ def _layer_maps(spec: ModelSpec) -> tuple[dict[int, int], dict[int, int], int]:
     return kv, mamba, spec.num_layers
 
 
-def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any) -> tuple[Any, Any]:
+def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any, device: str) -> tuple[Any, Any]:
     kv_pool = mp.MHATokenToKVPool(
         **_kw(
             mp.MHATokenToKVPool.__init__,
@@ -500,13 +659,13 @@ def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any) -> tu
             head_num=spec.num_kv_heads,
             head_dim=spec.head_dim,
             layer_num=len(spec.kv_layer_ids),
-            device="cpu",
+            device=device,
             enable_memory_saver=False,
             enable_alt_stream=False,
         )
     )
     if spec.page_size == 1:
-        allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, "cpu", kv_pool, False)
+        allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, device, kv_pool, False)
     else:
         allocator = alloc_mod.PagedTokenToKVPoolAllocator(
             **_kw(
@@ -514,7 +673,7 @@ def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any) -> tu
                 size=device_size,
                 page_size=spec.page_size,
                 dtype=spec.dtype,
-                device="cpu",
+                device=device,
                 kvcache=kv_pool,
                 need_sort=False,
             )
@@ -532,7 +691,7 @@ def _to_cuda_indices(*objs: Any) -> None:
 
 
 def _build(
-    spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str
+    spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str, device: str
 ) -> SGLangHarness:
     """SGLang's pools, host pools, host pool group and controller for ``spec``.
 
@@ -544,7 +703,7 @@ def _build(
     alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
     storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
     cc = importlib.import_module("sglang.srt.managers.cache_controller")
-    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod)
+    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod, device)
     mamba_pool = mamba_allocator = None
     if spec.mamba_layer_ids:
         mu = importlib.import_module("sglang.srt.configs.mamba_utils")
@@ -556,23 +715,24 @@ def _build(
                 spec_state_size=mamba_size,
                 cache_params=_mamba_params(spec, mu),
                 mamba_layer_ids=list(range(len(spec.mamba_layer_ids))),
-                device="cpu",
+                device=device,
             )
         )
         # 0.5.2x keeps the Mamba free list in an allocator of its own; earlier, in the pool
         mamba_allocator = (
-            importlib.import_module("sglang.srt.mem_cache.allocator.mamba").MambaSlotAllocator(mamba_size, "cpu")
+            importlib.import_module("sglang.srt.mem_cache.allocator.mamba").MambaSlotAllocator(mamba_size, device)
             if new_layout
             else mamba_pool
         )
-    kv_host, mamba_host = _host_pools(new_layout, spec, kv_pool, mamba_pool, layout, host_ratio)
+    kv_host, mamba_host = _host_pools(new_layout, spec, kv_pool, mamba_pool, layout, host_ratio, device == "cuda")
     h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
     h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
     h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_allocator, mamba_host
-    kv_pool.device = "cuda"
-    if mamba_pool is not None:
-        mamba_pool.device = "cuda"
-    _to_cuda_indices(allocator, mamba_allocator)
+    if device == "cpu":
+        kv_pool.device = "cuda"
+        if mamba_pool is not None:
+            mamba_pool.device = "cuda"
+        _to_cuda_indices(allocator, mamba_allocator)
     event = threading.Event()
     if mamba_pool is None:
         h.controller = cc.HiCacheController(
@@ -598,15 +758,15 @@ def _build(
 
 
 def _host_pools(
-    new_layout: bool, spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float
+    new_layout: bool, spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float, pin: bool
 ) -> tuple[Any, Any]:
     if not new_layout:
         mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
-        kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=False)
+        kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=pin)
         mamba_host = (
             None
             if mamba_pool is None
-            else mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=False, layout=layout)
+            else mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=pin, layout=layout)
         )
         return kv_host, mamba_host
     mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
@@ -620,7 +780,7 @@ def _host_pools(
         layout,
         **_kw(
             host_cls.__init__,
-            pin_memory=False,
+            pin_memory=pin,
             device_capacity_tokens=kv_pool.size,
             start_layer=kv_pool.start_layer,
             end_layer=kv_pool.end_layer,
@@ -634,7 +794,7 @@ def _host_pools(
         mamba_pool.get_device_pool_infos()[0].buffer_info,
         host_ratio,
         0,
-        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_pool.size, pin_memory=False, layout=layout),
+        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_pool.size, pin_memory=pin, layout=layout),
     )
     return kv_host, mamba_host
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import RELEASE, release_tuple
 
@@ -93,7 +94,13 @@ def test_missing_sglang_is_one_line_exit_2(tmp_path: Path) -> None:
     [
         ("--model", "tiny_swa", "tiny, tiny_hybrid"),
         ("--runtime", "sim", "runtime cpu"),
-        ("--runtime", "cuda", "runtime cpu"),
+        ("--runtime", "sim", "runtime cuda"),
+        pytest.param(
+            "--runtime",
+            "cuda",
+            "no CUDA device here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --runtime cuda runs"),
+        ),
         ("--fault", "unrecorded-pool-indices", "SGLang 0.5.10"),
         ("--fault", "double-free", "injects nothing"),
         ("--layout", "page_first_direct", "--io-backend direct only"),

@@ -1,0 +1,299 @@
+"""SGLang's real controllers on a GPU: ``build_controller(device="cuda")`` and
+``hicache-obs demo --engine sglang --runtime cuda``.
+
+A process is prepared for one device (the CPU harness's torch function mode would
+turn CUDA tensors into stand-ins), and the rest of this suite prepares the CPU one:
+the GPU runs go to a process of their own. The refusals run everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from sglang_env import RELEASE, release_tuple
+
+from hicache_obs.core.spec import ModelSpec
+from hicache_obs.errors import ConfigError, IntegrationError
+from hicache_obs.events.audit import audit
+from hicache_obs.events.replay import replay
+from hicache_obs.events.schema import StreamRecorded, TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.integrations.sglang import testing
+
+FIXED = release_tuple() >= (0, 5, 11)
+STEPS = "30"
+SGLANG_STREAMS = {"device_to_host_stream", "host_to_device_stream", "write_stream", "load_stream"}
+
+
+def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def _here() -> bool:
+    """Whether this process can build GPU controllers: not prepared for the CPU harness (a
+    run of ``-m cuda`` alone), else the GPU runs go to a process of their own."""
+    return testing._state.get("ready") != "cpu"
+
+
+def _python(code: str) -> str:
+    """Run ``code`` here where the process can build GPU controllers, else in a new process; its stdout."""
+    if _here():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            exec(compile(code, "<gpu check>", "exec"), {})
+        return buf.getvalue()
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _demo_on_gpu(out: Path, *options: str) -> dict[str, Any]:
+    argv = ["demo", "--engine", "sglang", "--runtime", "cuda", "--steps", STEPS, "--json", "--out", str(out), *options]
+    code = f"import sys; from hicache_obs.cli import main; rc = main({argv!r}); sys.stdout.flush(); assert rc == 0, rc"
+    s: dict[str, Any] = json.loads(_python(code))
+    assert s["runtime"] == "cuda"
+    return s
+
+
+def _counts(findings: list[Any]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for f in findings:
+        out.setdefault(f.rule, {})
+        out[f.rule][f.pool] = out[f.rule].get(f.pool, 0) + 1
+    return out
+
+
+# ------------------------------------------------------------------ everywhere
+def test_an_unknown_device_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"device must be one of cpu, cuda, got 'tpu'"):
+        testing.build_controller(ModelSpec.tiny(), device="tpu")
+    with pytest.raises(ConfigError, match=r"device must be one of cpu, cuda, got 'gpu'"):
+        testing.prepare("gpu")
+
+
+@pytest.mark.needs_sglang
+def test_a_process_prepared_for_the_cpu_builds_no_gpu_controller() -> None:
+    testing.prepare("cpu")
+    with pytest.raises(IntegrationError, match=r"prepared SGLang for device 'cpu'; a 'cuda' harness needs a process"):
+        testing.build_controller(ModelSpec.tiny_hybrid(), device="cuda")
+    testing.prepare()  # None: as prepared
+    assert testing.build_controller(ModelSpec.tiny()).device == "cpu"
+
+
+@pytest.mark.needs_sglang
+def test_the_cpu_harness_copies_with_the_stand_ins() -> None:
+    testing.prepare("cpu")
+    sources = testing.kernel_sources()
+    assert sources and set(sources.values()) == {"stand-in"}, sources
+    assert any(name.startswith("transfer_kv_") for name in sources)
+    if release_tuple() >= (0, 5, 23):  # SGLang's JIT Mamba copies: bound in the Mamba host pool's module
+        assert {"transfer_kv_mamba_lf_pf", "transfer_kv_mamba_pf_lf"} <= set(sources), sources
+
+
+@pytest.mark.needs_sglang
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run("-m", "hicache_obs", "demo", "--engine", "sglang", "--runtime", "cuda", "--out", str(out))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == "hicache-obs: error: --runtime cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
+    assert not out.exists()
+    code = "from hicache_obs.integrations.sglang.testing import prepare; prepare('cuda')"
+    proc = _run("-c", code)
+    assert proc.returncode == 1
+    assert "ConfigError: device 'cuda' needs a CUDA device: torch.cuda.is_available() is False here" in proc.stderr
+
+
+# ------------------------------------------- the CPU harness as the adapter sees a GPU
+@pytest.fixture
+def device_values_unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Index tensors that report CUDA have no readable values, as on a GPU (a read would sync)."""
+    from hicache_obs.integrations.sglang import describe
+
+    real = describe.host_values
+    monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
+
+
+def _demo_json(capsys: pytest.CaptureFixture[str], out: Path, *options: str) -> dict[str, Any]:
+    from hicache_obs.cli import main
+
+    capsys.readouterr()
+    code = main(["demo", "--engine", "sglang", "--steps", STEPS, "--json", "--out", str(out), *options])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(stdout)  # type: ignore[no-any-return]
+
+
+@pytest.mark.needs_sglang
+def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreadable: None) -> None:
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import PoolCreated, SlotsAllocated, SlotsFreed
+    from hicache_obs.integrations.sglang import instrument
+
+    h = testing.build_controller(ModelSpec.tiny_hybrid(), io_backend="direct")
+    log = EventLog()
+    with instrument(h.controller, log=log) as inst:
+        assert inst.unseen_slot_tiers == {("kv", "device"), ("mamba", "device")}
+        kv = h.alloc_kv(h.spec.page_size)
+        mamba = h.alloc_mamba(1)
+        assert h.write(kv, mamba)[0] is not None
+        h.controller.start_writing()
+        assert h.reap() == 1
+        h.kv_allocator.free(kv)
+    events = log.events()
+    tiers = {(e.pool, e.tier) for e in events if isinstance(e, (PoolCreated, SlotsAllocated, SlotsFreed))}
+    assert tiers == {("kv", "host"), ("mamba", "host")}
+    findings = _counts(audit(events))
+    assert not any(rule.startswith("slot") for rule in findings), findings
+    if FIXED:
+        assert findings == {}
+
+
+@pytest.mark.needs_sglang
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+def test_the_demo_drives_the_same_run_when_device_slots_are_hidden(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_backend: str
+) -> None:
+    seen = _demo_json(capsys, tmp_path / "seen", "--io-backend", io_backend)
+    from hicache_obs.integrations.sglang import describe
+
+    real = describe.host_values
+    monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
+    hidden = _demo_json(capsys, tmp_path / "hidden", "--io-backend", io_backend)
+    # the engine asks SGLang's allocators for the free device slots: evictions, loads and
+    # findings are those of the run that saw every slot
+    for key in ("operations", "failed_operations", "evictions", "hit_rate", "violations", "data_intact"):
+        assert hidden[key] == seen[key], key
+    assert hidden["events"] < seen["events"]  # no device-tier slot events
+
+
+@pytest.mark.needs_sglang
+def test_a_write_whose_host_pool_takes_cpu_host_indices_says_so() -> None:
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.integrations.sglang import instrument
+
+    # the kernel backend of 0.5.10's hybrid controller refuses every write (SGLang #24121)
+    h = testing.build_controller(ModelSpec.tiny_hybrid() if FIXED else ModelSpec.tiny())
+    log = EventLog()
+    with instrument(h.controller, log=log):
+        kv = h.alloc_kv(h.spec.page_size)
+        host, t = h.write(kv, h.alloc_mamba(1) if h.mamba_pool is not None else None)
+        h.controller.start_writing()
+        assert h.reap() == 1
+        h.load(host, t.host_indices if t is not None else None)
+        h.controller.start_loading()
+        assert h.reap() == 1
+    said = {e.direction: e.host_indices_on_cpu for e in log.events() if isinstance(e, TransferSubmitted)}
+    # 0.5.23's host pools declare a staged write-back (can_use_write_back_jit): the Mamba pool's
+    # always, the KV pool's where its CUDA kernel builds (a GPU); the releases before have none
+    pools = (("kv", h.kv_host), ("mamba", h.mamba_host))
+    staged = {name for name, pool in pools if getattr(pool, "can_use_write_back_jit", False)}
+    assert said == {"d2h": tuple(sorted(staged)), "h2d": ()}, said
+    assert staged == ({"mamba"} if release_tuple() >= (0, 5, 23) else set())
+    assert audit(log.events()) == []
+
+
+# ------------------------------------------------------------------ on a GPU
+@pytest.mark.cuda
+@pytest.mark.needs_sglang
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.skipif(RELEASE is not None and not FIXED, reason="0.5.10 is the pre-#22940 code: see the 0.5.10 tests")
+def test_fixed_release_on_a_gpu_is_clean_and_intact(tmp_path: Path, io_backend: str) -> None:
+    out = tmp_path / "out"
+    s = _demo_on_gpu(out, "--io-backend", io_backend)
+    assert s["violations"] == {}
+    assert s["data_intact"] is True and s["corrupted_slots"] == [] and s["checked_slots"] > 0
+    assert s["operations"]["d2h"] > 0 and s["operations"]["h2d"] > 0
+    assert s["failed_operations"] == {"d2h": 0, "h2d": 0}
+    assert s["slots"]["mamba"]["d2h"] > 0 and s["slots"]["mamba"]["h2d"] > 0
+    events = replay(out).events
+    assert audit(events) == []
+    subs = [e for e in events if isinstance(e, TransferSubmitted)]
+    assert subs and {e.stream for e in subs} <= SGLANG_STREAMS
+    records = [e for e in events if isinstance(e, StreamRecorded)]
+    if io_backend == "direct":
+        # the direct copies take every index on the CPU (SGLang moves device indices there):
+        # nothing on a side stream to record, and SGLang records nothing
+        assert all(t.device == "cpu" for e in subs for t in e.tensors)
+        assert records == []
+    else:
+        # SGLang's own record_stream calls on CUDA tensors, onto its CUDA side streams
+        assert records and {e.stream for e in records} <= SGLANG_STREAMS
+        assert all(r.tensor.device.startswith("cuda") for r in records)
+        # a write whose KV host indices stayed on the CPU went through the staged write-back
+        for e in subs:
+            if any(t.pool == "kv" and t.role == "host" and t.device == "cpu" for t in e.tensors):
+                assert e.direction == "d2h" and "kv" in e.host_indices_on_cpu, e
+    done = sum(isinstance(e, TransferCompleted) for e in events)
+    assert done == s["operations"]["d2h"] + s["operations"]["h2d"]
+
+
+@pytest.mark.cuda
+@pytest.mark.needs_sglang
+@pytest.mark.skipif(RELEASE is not None and FIXED, reason="the pre-#22940 findings are 0.5.10's")
+def test_sglang_0_5_10_on_a_gpu_leaves_mamba_indices_unrecorded(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    s = _demo_on_gpu(out, "--io-backend", "direct")
+    assert s["violations"].get("unrecorded_index", {}).get("mamba", 0) > 0, s["violations"]
+    assert not any("kv" in pools for pools in s["violations"].values()), s["violations"]
+    assert s["operations"]["d2h"] > 0 and s["operations"]["h2d"] > 0
+    assert _counts(audit(replay(out).events)) == s["violations"]
+
+
+@pytest.mark.cuda
+@pytest.mark.needs_sglang
+@pytest.mark.skipif(RELEASE is not None and FIXED, reason="the pre-#22940 findings are 0.5.10's")
+def test_sglang_0_5_10_kernel_copies_on_a_gpu_refuse_the_host_indices(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    s = _demo_on_gpu(out)
+    assert s["io_backend"] == "kernel"
+    assert s["failed_operations"]["d2h"] > 0
+    assert s["violations"].get("index_not_on_device", {}).get("mamba", 0) > 0, s["violations"]
+    assert not any("kv" in pools for pools in s["violations"].values()), s["violations"]
+    errors = {e.error for e in replay(out).events if isinstance(e, TransferFailed)}
+    assert errors and all("Destination indices must be a CUDA tensor" in e for e in errors), errors
+
+
+@pytest.mark.cuda
+@pytest.mark.needs_sglang
+def test_gpu_harness_round_trips_and_names_its_kernels() -> None:
+    code = """
+import json, torch
+from hicache_obs.core.spec import ModelSpec
+from hicache_obs.integrations.sglang import instrument
+from hicache_obs.integrations.sglang.testing import build_controller, kernel_sources
+h = build_controller(ModelSpec.tiny(), device="cuda")
+with instrument(h.controller) as inst:
+    kv = h.alloc_kv(2 * h.spec.page_size)
+    h.fill_kv(kv, seed=7)
+    want = h.read_kv(kv)
+    host = h.write(kv)[0]
+    h.controller.start_writing()
+    torch.cuda.synchronize()
+    h.reap()
+    h.clear_kv(kv)
+    h.kv_allocator.free(kv)
+    back = h.load(host)[0]
+    h.controller.start_loading()
+    torch.cuda.synchronize()
+    h.reap()
+    got = h.read_kv(back)
+    kinds = sorted({type(e).__name__ for e in inst.log.events()})
+pinned = bool(h.kv_host.kv_buffer.is_pinned())
+h.close()  # gives back the host memory SGLang registered with CUDA
+h.close()  # idempotent
+print(json.dumps({"equal": bool(torch.equal(want, got)), "kv_device": str(h.kv_pool.k_buffer[0].device),
+                  "pinned": pinned, "kernels": kernel_sources(), "kinds": kinds}))
+"""
+    r = json.loads(_python(code).strip().splitlines()[-1])
+    assert r["equal"] is True
+    assert r["kv_device"].startswith("cuda") and r["pinned"] is True
+    assert r["kernels"] and all(v == "stand-in" or v.startswith(("sgl_kernel", "sglang")) for v in r["kernels"].values())
+    assert {"TransferSubmitted", "TransferCompleted", "StreamRecorded", "SlotsAllocated"} <= set(r["kinds"])
