@@ -139,7 +139,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     ),
     "hicache_obs.integrations.sglang.adapter": ("Instrumentation", "instrument", "instrumentation_of"),
     "hicache_obs.integrations.sglang.engine": (
-        "ENGINE_RUNTIME", "ENGINE_MODELS", "SGLangEngine", "SGLangHybridEngine", "build_engine", "check_options",
+        "ENGINE_RUNTIME", "ENGINE_RUNTIMES", "ENGINE_MODELS", "SGLangEngine", "SGLangHybridEngine", "build_engine", "check_options",
         "default_layout", "require_sglang",
     ),
     "hicache_obs.integrations.sglang.kernels": (
@@ -155,7 +155,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "ENV", "TARGETS", "install_import_hook", "instrument_new_controller", "pipelines",
     ),
     "hicache_obs.integrations.sglang.testing": (
-        "CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version",
+        "CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version", "DEVICES",
+        "SGL_KERNEL_IMPORTS", "kernel_sources",
     ),
     "hicache_obs.testing": ("FAULTS", "Captured", "capture_events", "InMemorySink", "make_controller", "fault_class"),
     "hicache_obs.workload": (
@@ -212,7 +213,7 @@ EVENT_FIELDS: dict[str, tuple[str, ...]] = {
     "StreamRecorded": ("op", "pool", "role", "stream", "tensor"),
     "TransferSubmitted": (
         "op", "direction", "stream", "io_backend", "layout", "tensors", "slots_by_pool", "bytes_by_pool",
-        "producer_id", "device",
+        "producer_id", "device", "host_indices_on_cpu",
     ),
     "TransferCompleted": ("op", "direction", "duration_ns", "layer_durations_ns"),
     "TransferFailed": ("op", "direction", "error"),

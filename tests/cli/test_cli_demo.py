@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from audit_counts import violation_counts
 
 from hicache_obs.cli._summary import transfer_totals
 from hicache_obs.events.audit import audit
@@ -36,14 +37,6 @@ REQUIRED_KEYS = {
 }
 #: Summary keys that hold times, paths or ports: the rest must repeat for a seed.
 VARYING_KEYS = {"transfer_seconds", "bandwidth_bytes_per_s", "wall_seconds", "out", "files", "metrics_url"}
-
-
-def _counts(findings: list[Any]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for f in findings:
-        out.setdefault(f.rule, {})
-        out[f.rule][f.pool] = out[f.rule].get(f.pool, 0) + 1
-    return out
 
 
 def test_clean_run_agrees_with_its_event_log(clean_demo: tuple[dict[str, Any], Path]) -> None:
@@ -90,7 +83,7 @@ def test_unrecorded_pool_indices_flags_mamba_and_corrupts_data(faulty_demo: tupl
     for c in s["corrupted_slots"]:
         assert set(c) == {"node", "pool", "direction", "op", "tier", "slots"} and c["slots"]
     # the offline audit of the stored log finds what the live auditor found
-    assert _counts(audit(replay(out).events)) == s["violations"]
+    assert violation_counts(audit(replay(out).events)) == s["violations"]
 
 
 def _normalised_events(out: Path) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Real SGLang HiCache controllers on a machine without a GPU (test support).
+"""Real SGLang HiCache controllers on a machine without a GPU, or on one (test support).
 
 :func:`build_controller` assembles SGLang's own device pools, allocators, host pools,
 host pool group and controller classes for a :class:`~hicache_obs.core.ModelSpec`,
@@ -21,6 +21,12 @@ with the few stand-ins a CPU needs and nothing of SGLang's code changed:
 
 Copies are synchronous here: the harness shows what SGLang's code does with its index
 tensors (the evidence the adapter reports), not CUDA timing.
+
+On a GPU (``build_controller(..., device="cuda")``) none of the stand-ins above is
+used but the copy kernels that do not import (sgl-kernel's ``kvcacheio`` where it is
+not installed; :func:`kernel_sources` says which ops are real), and the sgl-kernel
+names SGLang imports at import time there (:data:`SGL_KERNEL_IMPORTS`, placeholders
+that raise if called). A process is prepared for one device (:func:`prepare`).
 """
 
 from __future__ import annotations
@@ -44,7 +50,16 @@ from ...core.spec import ModelSpec
 from ...core.torch_compat import TensorBase, plain_tensor_calls
 from ...errors import ConfigError, IntegrationError
 
-__all__ = ["CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version"]
+__all__ = [
+    "DEVICES",
+    "SGL_KERNEL_IMPORTS",
+    "CudaStandIn",
+    "SGLangHarness",
+    "build_controller",
+    "kernel_sources",
+    "prepare",
+    "sglang_version",
+]
 
 _CUDA = torch.device("cuda", 0)
 _CPU = torch.device("cpu")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from audit_counts import violation_counts
 from sglang_env import RELEASE, release_tuple
 
 from hicache_obs.core.spec import ModelSpec
@@ -60,14 +61,6 @@ def _demo_on_gpu(out: Path, *options: str) -> dict[str, Any]:
     s: dict[str, Any] = json.loads(_python(code))
     assert s["runtime"] == "cuda"
     return s
-
-
-def _counts(findings: list[Any]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for f in findings:
-        out.setdefault(f.rule, {})
-        out[f.rule][f.pool] = out[f.rule].get(f.pool, 0) + 1
-    return out
 
 
 # ------------------------------------------------------------------ everywhere
@@ -150,7 +143,7 @@ def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreada
     events = log.events()
     tiers = {(e.pool, e.tier) for e in events if isinstance(e, (PoolCreated, SlotsAllocated, SlotsFreed))}
     assert tiers == {("kv", "host"), ("mamba", "host")}
-    findings = _counts(audit(events))
+    findings = violation_counts(audit(events))
     assert not any(rule.startswith("slot") for rule in findings), findings
     if FIXED:
         assert findings == {}
@@ -244,7 +237,7 @@ def test_sglang_0_5_10_on_a_gpu_leaves_mamba_indices_unrecorded(tmp_path: Path) 
     assert s["violations"].get("unrecorded_index", {}).get("mamba", 0) > 0, s["violations"]
     assert not any("kv" in pools for pools in s["violations"].values()), s["violations"]
     assert s["operations"]["d2h"] > 0 and s["operations"]["h2d"] > 0
-    assert _counts(audit(replay(out).events)) == s["violations"]
+    assert violation_counts(audit(replay(out).events)) == s["violations"]
 
 
 @pytest.mark.cuda

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from audit_counts import violation_counts
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import RELEASE, release_tuple
 
@@ -209,7 +210,7 @@ def test_sglang_0_5_10_direct_leaves_mamba_indices_unrecorded(
     assert not any("kv" in pools for pools in s["violations"].values()), s["violations"]
     assert s["operations"]["d2h"] > 0 and s["operations"]["h2d"] > 0
     assert s["data_intact"] is True  # direct copies read the indices at once: nothing reused them yet
-    assert _counts(audit(replay(out).events)) == s["violations"]
+    assert violation_counts(audit(replay(out).events)) == s["violations"]
 
 
 @pytest.mark.needs_sglang
@@ -243,11 +244,3 @@ def test_a_layout_sglang_refuses_is_one_line_exit_2(capsys: pytest.CaptureFixtur
     assert err.startswith(f"hicache-obs: error: SGLang {RELEASE} refuses ") and err.count("\n") == 1
     assert "--layout layer_first" in err
     assert not out.exists()
-
-
-def _counts(findings: list[Any]) -> dict[str, dict[str, int]]:
-    out: dict[str, dict[str, int]] = {}
-    for f in findings:
-        out.setdefault(f.rule, {})
-        out[f.rule][f.pool] = out[f.rule].get(f.pool, 0) + 1
-    return out
