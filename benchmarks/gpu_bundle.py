@@ -1,14 +1,16 @@
 """Pack what the GPU checks need on a CUDA machine that has torch but no network.
 
-Run here, where ``make venv sglang`` has built ``.venv`` and ``.sglang/<release>/``:
+Run here, where ``make venv sglang`` has built ``.venv`` and ``.sglang/<release>/``
+(``.gpu`` is in ``.gitignore``):
 
     .venv/bin/python benchmarks/gpu_bundle.py [--python-version 3.12] [--out .gpu] [RELEASE ...]
 
 It writes, under ``--out`` (default ``.gpu``, which git ignores):
 
-- ``wheels/``: wheels for ``--python-version`` of every package with compiled code
-  that the package (``common.txt``) or an SGLang release (``<release>.txt``) needs,
-  each at the version installed here (one file per version, shared by the lists);
+- ``wheels/``: wheels for ``--python-version``: every package the package and its test
+  runner need (``common.txt``, resolved from the installed packages' requirements), and
+  every package with compiled code an SGLang release needs (``<release>.txt``), each at
+  the version installed here (one file per version, shared by the lists);
 - ``<release>/site.tar.xz``: the release's pure-Python packages as installed in
   ``.sglang/<release>/`` (their files and ``dist-info``, no ``__pycache__``; SGLang's
   compiled Rust extensions, which the HiCache classes do not import, left out).
@@ -47,6 +49,36 @@ def _dists(site: Path) -> dict[str, tuple[str, Path]]:
         fields = dict(line.split(": ", 1) for line in meta.splitlines()[:20] if ": " in line)
         out[_norm(fields["Name"])] = (fields["Version"], info)
     return out
+
+
+def _closure(roots: list[str], dists: dict[str, tuple[str, Path]]) -> list[str]:
+    """What ``roots`` require, and what that requires (``Requires-Dist`` without an extra, for
+    this Python), by name, as installed in ``dists``, with the roots themselves; a requirement
+    that is not installed there is an error. ``SKIP`` (torch and the GPU image's own) is
+    neither carried nor followed, except this package, whose requirements are."""
+    from packaging.requirements import Requirement
+
+    out: set[str] = set()
+    todo = [_norm(r) for r in roots]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name != "hicache-obs" and (name in SKIP or name.startswith("nvidia-")):
+            continue
+        if name not in dists:
+            raise SystemExit(f"gpu_bundle: {name} is required but not installed in .venv")
+        if name not in SKIP:
+            out.add(name)
+        meta = (dists[name][1] / "METADATA").read_text(encoding="utf-8", errors="replace")
+        for line in meta.splitlines():
+            if line.startswith("Requires-Dist: "):
+                req = Requirement(line.removeprefix("Requires-Dist: "))
+                if req.marker is None or req.marker.evaluate({"extra": ""}):
+                    todo.append(_norm(req.name))
+    return sorted(out)
 
 
 def _files(site: Path, info: Path) -> list[Path]:
@@ -101,17 +133,13 @@ def main() -> int:
     wheels = out / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
 
-    # the package's own dependencies, as installed in .venv: all of them as wheels
+    # the package's own dependencies and the test runner's, as installed in .venv, resolved
+    # through their Requires-Dist: all of them as wheels (torch and what SKIP names excepted)
     venv_site = next((REPO / ".venv" / "lib").glob("python3*/site-packages"))
     base = _dists(venv_site)
-    wanted = ["msgspec", "prometheus-client", "opentelemetry-api", "opentelemetry-sdk",
-              "opentelemetry-exporter-otlp-proto-http", "opentelemetry-proto", "structlog", "rich",
-              "pytest-timeout", "opentelemetry-exporter-otlp-proto-common", "opentelemetry-semantic-conventions",
-              "opentelemetry-exporter-http-transport", "opentelemetry-exporter-otlp-common",
-              "googleapis-common-protos", "protobuf", "markdown-it-py", "mdurl"]  # fmt: skip
-    common = [f"{n}=={base[n][0]}" for n in wanted if n in base]
+    common = [f"{n}=={base[n][0]}" for n in _closure(["hicache-obs", "pytest", "pytest-timeout", "hypothesis"], base)]
     _download(common, wheels, args.python_version)
-    (out / "common.txt").write_text("\n".join(_wheel_names(common, wheels)) + "\n")
+    (out / "common.txt").write_text("".join(f"{w}\n" for w in _wheel_names(common, wheels)))
     total = sum((wheels / w).stat().st_size for w in _wheel_names(common, wheels))
     print(f"common: {len(common)} wheels, {total / 1e6:.1f} MB")
 
@@ -126,7 +154,7 @@ def main() -> int:
         specs = [f"{n}=={v}" for n, v, _, _ in compiled]
         _download(specs, wheels, args.python_version)
         names = _wheel_names(specs, wheels)
-        (out / f"{release}.txt").write_text("\n".join(names) + "\n")
+        (out / f"{release}.txt").write_text("".join(f"{w}\n" for w in names))
         dest = out / release
         dest.mkdir(exist_ok=True)
         with tarfile.open(dest / "site.tar.xz", "w:xz", preset=6) as tar:

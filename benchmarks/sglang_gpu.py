@@ -43,14 +43,17 @@ def main() -> int:
         buf = io.StringIO()
         argv = ["demo", "--engine", "sglang", "--runtime", "cuda", "--io-backend", backend]
         argv += ["--steps", str(args.steps), "--json", "--out", str(out / f"log-{backend}")]
-        with contextlib.redirect_stdout(buf):
-            code = cli(argv)
-        (out / f"demo-{backend}.json").write_text(buf.getvalue())
-        if code != 0:
-            print(f"demo {backend}: exit {code}")
+        try:
+            with contextlib.redirect_stdout(buf):
+                code = cli(argv)
+            (out / f"demo-{backend}.json").write_text(buf.getvalue())
+            s = json.loads(buf.getvalue()) if code == 0 else None
+        except (Exception, SystemExit) as exc:  # the next run still runs
+            code, s = f"{type(exc).__name__}: {exc}", None
+        if s is None:
+            print(f"demo {backend}: failed ({code})")
             rc = 1
             continue
-        s = json.loads(buf.getvalue())
         print(
             f"demo {backend}/{s['layout']}: violations {s['violations']}, operations {s['operations']}, "
             f"failed {s['failed_operations']}, data_intact {s['data_intact']} ({s['checked_slots']} slots), "
@@ -60,7 +63,11 @@ def main() -> int:
     if args.bench:
         from hicache_obs.bench import bench_sglang_here
 
-        b = bench_sglang_here(device="cuda")
+        try:
+            b = bench_sglang_here(device="cuda")
+        except Exception as exc:
+            print(f"bench: failed ({type(exc).__name__}: {exc})")
+            return 1
         (out / "bench.json").write_text(json.dumps(b, indent=1))
         keys = ("overhead_ratio", "overhead_ratio_spread", "per_op_overhead_us", "in_process_ratio",
                 "in_process_per_op_us", "flush_wait_per_op_us", "bare_per_op_us", "controller_cpu_ratio",

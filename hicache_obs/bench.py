@@ -549,7 +549,7 @@ def sglang_workload(h: Any, plan: list[int], batch: int) -> int:
             written.append((kv, mamba, host, t))
             ops += 1
         c.start_writing()  # a no-op where write() started it
-        h.reap()
+        h.reap(wait=True)  # on a GPU the copies run on: their slots are reused next
         loaded = []
         for i, (kv, mamba, host, t) in enumerate(written):
             h.kv_allocator.free(kv)
@@ -561,7 +561,7 @@ def sglang_workload(h: Any, plan: list[int], batch: int) -> int:
             loaded.append((dev, lt, host, t))
             ops += 1
         c.start_loading()
-        h.reap()
+        h.reap(wait=True)
         for dev, lt, host, t in loaded:
             h.kv_allocator.free(dev)
             c.evict_host(host)
@@ -599,8 +599,8 @@ def bench_sglang_here(
     """The ``sglang`` section, measured in this process (which must have SGLang).
 
     It builds SGLang's real pools and controller (:func:`~hicache_obs.integrations.sglang.
-    testing.build_controller`, which installs a process-wide torch function mode for its
-    CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
+    testing.build_controller`, which on the CPU installs a process-wide torch function mode
+    for its CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
     same controller runs :func:`sglang_workload` bare and instrumented
     (:func:`~hicache_obs.integrations.sglang.instrument` with the sinks of configuration (a)
     in a sink host). A round rotates ``slices`` bare, ``slices`` instrumented and ``slices``

@@ -249,7 +249,12 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
         fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
         runtime = make_runtime(args.runtime)  # so does a runtime this machine lacks: before --out is touched
     out = Path(args.out)
-    _prepare_out(out, SEGMENT_GLOB)
+    try:
+        _prepare_out(out, SEGMENT_GLOB)
+    except BaseException:
+        if harness is not None:
+            harness.close()  # what SGLang's host pools registered with CUDA
+        raise
 
     t_start = time.perf_counter()
     from . import deferred_interrupts
@@ -264,6 +269,8 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
         return run_held
 
     with contextlib.ExitStack() as stack:
+        if harness is not None:
+            stack.callback(harness.close)  # last: after the engine's close (a no-op again then)
         log = EventLog()
         stack.callback(held(log.close))
         store = open_store(log, out, max_queue=STORE_MAX_QUEUE)

@@ -6,7 +6,8 @@ Rules (each finding names op, pool, role, stream and what was wrong):
   had no ``record_stream`` on that stream before the op completed (SGLang #22940);
 - ``index_not_on_device``: the ``kernel`` io backend was handed an index tensor that
   is not on the device (unless the pool's copy moved it to the device itself, on the
-  transfer's stream: an ``IndicesMoved`` with that ``stream``);
+  transfer's stream: an ``IndicesMoved`` with that ``stream``; or it is the host indices
+  of a pool the transfer names in ``host_indices_on_cpu``, a staged write-back);
 - ``length_mismatch``: a pool's host and device index tensors differ in length;
 - ``slot_not_allocated``: a transfer names a slot that is not allocated, or slots are
   freed while a submitted transfer still uses them (use after free, out of range; at

@@ -330,38 +330,44 @@ def _capacity(obj: Any, tier: str) -> tuple[int, int]:
     return (size + 1 if tier == "device" else size), page
 
 
+def _free_lists(obj: Any) -> tuple[bool, list[Any]] | None:
+    """An allocator's free lists: (whether they hold pages, their parts: tensors or lists) for
+    the lists it keeps (``free_pages``/``release_pages``, else ``free_slots``/``release_slots``);
+    None if it keeps none we know."""
+    for lists, is_pages in ((("free_pages", "release_pages"), True), (("free_slots", "release_slots"), False)):
+        if not hasattr(obj, lists[0]):
+            continue
+        parts: list[Any] = []
+        for name in lists:
+            v = getattr(obj, name, None)
+            parts.extend(v if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor) else [v])
+        return is_pages, [p for p in parts if p is not None]
+    return None
+
+
 def _free_lists_on_device(obj: Any) -> bool:
     """Whether an allocator keeps its free lists in device memory (a GPU): then the index
     tensors it hands out are there too, and reading their values would sync."""
-    for name in ("free_pages", "release_pages", "free_slots", "release_slots"):
-        v = getattr(obj, name, None)
-        for part in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(part, torch.Tensor) and describe.host_values(part) is None:
-                return True
-    return False
+    found = _free_lists(obj)
+    return found is not None and any(isinstance(p, torch.Tensor) and describe.host_values(p) is None for p in found[1])
 
 
 def _free_values(obj: Any) -> list[int] | None:
     """Every slot on an allocator's free lists, or None if it keeps none we know."""
+    found = _free_lists(obj)
+    if found is None:
+        return None
+    is_pages, parts = found
     page = int(getattr(obj, "page_size", 1) or 1)
-    for lists, is_pages in ((("free_pages", "release_pages"), True), (("free_slots", "release_slots"), False)):
-        if not hasattr(obj, lists[0]):
-            continue
-        out: list[int] = []
-        for name in lists:
-            v = getattr(obj, name, None)
-            parts = v if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor) else [v]
-            for part in parts:
-                if part is None:
-                    continue
-                with NO_TORCH_FUNCTION():
-                    vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
-                if is_pages and page > 1:
-                    out.extend(p * page + k for p in vals for k in range(page))
-                else:
-                    out.extend(vals)
-        return out
-    return None
+    out: list[int] = []
+    for part in parts:
+        with NO_TORCH_FUNCTION():
+            vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
+        if is_pages and page > 1:
+            out.extend(p * page + k for p in vals for k in range(page))
+        else:
+            out.extend(vals)
+    return out
 
 
 # ------------------------------------------------------------- instrumentation

@@ -17,6 +17,8 @@ log, nothing is computed in their place:
   ``TransferSubmitted`` events the adapter reported for it;
 - ``state``: the fold (:class:`~hicache_obs.events.state.CacheState`) of the
   instrumentation log, subscribed before :func:`instrument` so ``PoolCreated`` is in it;
+  a device tier the adapter does not record (on a GPU) answers its free slots from
+  SGLang's allocator (``available_size``);
 - ``device_pool(p)``/``host_pool(p)``: reads and writes of SGLang's own buffers
   (``k_buffer``/``v_buffer``, the Mamba ``temporal``/``conv`` states, the host pools'
   ``kv_buffer``/``temporal_buffer``/``conv_buffer`` in their layout).
@@ -357,12 +359,12 @@ class SGLangEngine(HiCacheController):
             m_dev, m_host = _mamba_planes(harness)
             self._device["mamba"], self._host["mamba"] = m_dev, m_host
             self._device_alloc["mamba"], self._host_alloc["mamba"] = harness.mamba_allocator, harness.mamba_host
-        for pool, tier in self.instrumentation.unseen_slot_tiers:
-            self._engine_state.unseen[(pool, tier)] = _FreeSlots(self._device_alloc[pool])
         if set(self._device) != set(self.spec.pool_names):
             raise IntegrationError(
                 f"SGLang's pools {sorted(self._device)} are not model {self.spec.name!r}'s {list(self.spec.pool_names)}"
             )
+        for pool, tier in self.instrumentation.unseen_slot_tiers:
+            self._engine_state.unseen[(pool, tier)] = _FreeSlots(self._device_alloc[pool])
 
     # ------------------------------------------------------------ the log
     def _on_event(self, ev: Event) -> None:
@@ -573,15 +575,19 @@ class SGLangEngine(HiCacheController):
         (:meth:`~hicache_obs.integrations.sglang.testing.SGLangHarness.close`). Idempotent."""
         if self._closed:
             return
-        self.synchronize()
-        self.poll_writes()
-        self.poll_loads()
-        self._closed = True
-        self.instrumentation.detach()
-        if self._unsubscribe is not None:
-            self._unsubscribe()
-            self._unsubscribe = None
-        self.harness.close()
+        try:
+            self.synchronize()
+            self.poll_writes()
+            self.poll_loads()
+        finally:
+            self._closed = True
+            try:
+                self.instrumentation.detach()
+                if self._unsubscribe is not None:
+                    self._unsubscribe()
+                    self._unsubscribe = None
+            finally:
+                self.harness.close()
 
     # ---------------------------------------------------------- data access
     def device_pool(self, pool: str = ANCHOR) -> _DevicePlanes:  # type: ignore[override]

@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 from ...core.spec import ModelSpec
 from ...core.torch_compat import TensorBase, plain_tensor_calls
 from ...errors import ConfigError, IntegrationError
+from .kernels.installation import STAND_IN_FLAG
 
 __all__ = [
     "DEVICES",
@@ -333,7 +334,7 @@ class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
         parent = sys.modules.get("sgl_kernel")
-        if name in SGL_KERNEL_IMPORTS and name != "sgl_kernel" and getattr(parent, "__hicache_obs_stand_in__", False):
+        if name in SGL_KERNEL_IMPORTS and name != "sgl_kernel" and getattr(parent, STAND_IN_FLAG, False):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -512,12 +513,14 @@ class SGLangHarness:
 
     def close(self) -> None:
         """Give back what SGLang's host pools hold outside Python: on a GPU, the host memory they
-        registered with CUDA (their ``destroy()``, where the release has one). A harness whose
-        pools are dropped without it leaves that memory registered, and a later pool that the
-        allocator puts at the same address fails to register it (CUDA error 712). Idempotent;
-        the harness is not to be used after it. Nothing to give back on the CPU harness."""
+        registered with CUDA (their ``destroy()``, which 0.5.2x's host pools have; 0.5.10's and
+        0.5.11's have none, and their registration stays). A harness whose pools are dropped
+        without it leaves that memory registered, and a later pool that the allocator puts at
+        the same address fails to register it (CUDA error 712). Idempotent; the harness is not
+        to be used after it. Nothing to give back on the CPU harness."""
         if self.device != "cuda":
             return
+        # 0.5.10 and 0.5.11's host pools have no destroy(): their registration stays
         for pool in (self.kv_host, self.mamba_host):
             destroy = getattr(pool, "destroy", None)
             if callable(destroy):
@@ -540,11 +543,12 @@ class SGLangHarness:
         dev = self.controller.load(host, node_id=node_id, extra_pools=[t])
         return dev, t
 
-    def reap(self) -> int:
-        """Take every finished ack off both ack queues, in FIFO order, as the radix cache does."""
+    def reap(self, *, wait: bool = False) -> int:
+        """Take every finished ack off both ack queues, in FIFO order, as the radix cache does;
+        with ``wait``, every ack, each once its copy finished (on a GPU copies run on)."""
         n = 0
         for q in (self.controller.ack_write_queue, self.controller.ack_load_queue):
-            while len(q) and q[0].finish_event.query():
+            while len(q) and (wait or q[0].finish_event.query()):
                 ack = q.pop(0)
                 ack.finish_event.synchronize()
                 n += 1

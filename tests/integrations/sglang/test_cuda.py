@@ -37,10 +37,20 @@ def _run(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout)
 
 
+_CUDA_ONLY = [False]
+
+
+@pytest.fixture(autouse=True)
+def _session_marks(request: pytest.FixtureRequest) -> None:
+    _CUDA_ONLY[0] = request.config.option.markexpr == "cuda"
+
+
 def _here() -> bool:
-    """Whether this process can build GPU controllers: not prepared for the CPU harness (a
-    run of ``-m cuda`` alone), else the GPU runs go to a process of their own."""
-    return testing._state.get("ready") != "cpu"
+    """Whether the GPU runs can go in this process: it is prepared for the GPU already, or for
+    nothing yet in a run of ``-m cuda`` alone (no CPU-harness test comes after). Else each goes
+    to a process of its own, so this one stays as the other tests need it."""
+    ready = testing._state.get("ready")
+    return ready == "cuda" or (ready is None and _CUDA_ONLY[0])
 
 
 def _python(code: str) -> str:

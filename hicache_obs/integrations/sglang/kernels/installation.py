@@ -31,7 +31,9 @@ __all__ = ["OPS", "Installation", "install", "uninstall", "bind", "unbind"]
 OPS: dict[str, Callable[..., None]] = {**KVCACHEIO_OPS, **TRANSFER_MAMBA_OPS}
 """Every stand-in op by name: the names :func:`bind` looks for."""
 
-_STAND_IN_FLAG = "__hicache_obs_stand_in__"
+STAND_IN_FLAG = "__hicache_obs_stand_in__"
+"""Set on every stand-in module this package puts into ``sys.modules``."""
+_STAND_IN_FLAG = STAND_IN_FLAG
 
 
 @dataclass
