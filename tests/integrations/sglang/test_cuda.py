@@ -81,6 +81,46 @@ def test_an_unknown_device_is_refused() -> None:
         testing.prepare("gpu")
 
 
+def test_sgl_kernel_names_imported_on_a_gpu_are_placeholders_and_nothing_more() -> None:
+    code = """
+import importlib, json
+from hicache_obs.errors import IntegrationError
+from hicache_obs.integrations.sglang import kernels, testing
+inst = kernels.install()
+if "sgl_kernel" not in inst.stand_ins:
+    print(json.dumps({"real": True})); raise SystemExit(0)
+testing._name_missing_ops(inst)
+out = {"real": False}
+from sgl_kernel import moe_sum_reduce
+from sgl_kernel.quantization import ggml_dequantize
+from sgl_kernel.kvcacheio import transfer_kv_direct  # the stand-in ops, as before
+out["names"] = [moe_sum_reduce.__name__, ggml_dequantize.__module__ + "." + ggml_dequantize.__name__]
+try:
+    moe_sum_reduce(1, 2)
+except IntegrationError as exc:
+    out["called"] = str(exc)
+for stmt in ("from sgl_kernel import not_a_kernel_name", "import sgl_kernel.scalar_type",
+             "from sgl_kernel.kvcacheio import get_device_accessible_ptr"):
+    try:
+        exec(stmt)
+        out[stmt] = "imported"
+    except ImportError as exc:
+        out[stmt] = type(exc).__name__
+print(json.dumps(out))
+"""
+    proc = _run("-c", code)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    if r["real"]:
+        pytest.skip("sgl-kernel is installed here: nothing stands in for it")
+    assert r["names"] == ["moe_sum_reduce", "sgl_kernel.quantization.ggml_dequantize"]
+    assert r["called"] == "sgl_kernel.moe_sum_reduce is not installed here: hicache-obs stands in for sgl_kernel.kvcacheio only"
+    # what SGLang tries inside try/except ImportError keeps failing so: its fallbacks run
+    assert r["from sgl_kernel import not_a_kernel_name"] == "ImportError"
+    assert r["import sgl_kernel.scalar_type"] == "ModuleNotFoundError"
+    assert r["from sgl_kernel.kvcacheio import get_device_accessible_ptr"] == "ImportError"
+
+
 @pytest.mark.needs_sglang
 def test_a_process_prepared_for_the_cpu_builds_no_gpu_controller() -> None:
     testing.prepare("cpu")
