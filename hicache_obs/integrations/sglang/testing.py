@@ -584,11 +584,9 @@ def build_controller(
         raise ConfigError(f"model {spec.name!r}: the SGLang harness builds KV and KV + Mamba models, not SWA")
     if device_size <= 0 or device_size % spec.page_size:
         raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
-    if device not in DEVICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if io_backend == "direct" and layout == "page_first":
         layout = "page_first_direct"
-    prepare(device)
+    prepare(device)  # refuses an unknown device first
     release = sglang_version() or ""
     h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy, device)
     h.release = release
