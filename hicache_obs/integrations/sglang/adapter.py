@@ -34,6 +34,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -157,10 +158,15 @@ class _ConversionWatch:
     _METHODS = ("to", "cuda")
 
     def __init__(
-        self, pool: str, watched: dict[int, tuple[str, torch.Tensor]], failed: Callable[[str], None]
+        self,
+        pool: str,
+        watched: dict[int, tuple[str, torch.Tensor]],
+        failed: Callable[[str], None],
+        known: frozenset[str] = frozenset(),
     ) -> None:
         self.pool = pool
         self.watched = watched  # id(tensor) -> (role, tensor)
+        self.known = known  # roles whose move this op already reported (a copy per layer moves each layer)
         self._failed = failed
         self.moves: list[tuple[str, str, str, TensorRef]] = []
         self._thread = threading.get_ident()
@@ -171,7 +177,12 @@ class _ConversionWatch:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             out = method(src, *args, **kwargs)
-            if threading.get_ident() == self._thread and isinstance(out, torch.Tensor) and out is not src:
+            if (
+                role not in self.known
+                and threading.get_ident() == self._thread
+                and isinstance(out, torch.Tensor)
+                and out is not src
+            ):
                 try:
                     with NO_TORCH_FUNCTION():
                         before, after = device_name(src), device_name(out)
@@ -201,7 +212,7 @@ class _ConversionWatch:
 
 
 # ------------------------------------------------------------------ submissions
-@dataclass
+@dataclass(slots=True)
 class _Submission:
     """What one ``start_writing``/``start_loading`` call did, as observed."""
 
@@ -300,9 +311,13 @@ def _detect(c: Any) -> _Shape:
                 hooks = [(entry, "device_alloc_fn", "device_free_fn")]
                 if owner is not None and getattr(entry.device_free_fn, "__self__", None) is owner:
                     hooks.insert(0, (owner, "alloc", "free"))
-                pools.append(_PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks))
+                pools.append(
+                    _PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks)
+                )
             else:
-                pools.append(_PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")]))
+                pools.append(
+                    _PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")])
+                )
     elif host is not None:
         pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
     for p in pools:
@@ -410,17 +425,6 @@ class Instrumentation:
         if self._errors == 1 or self._errors % 10000 == 0:
             _log.exception("hicache-obs could not %s (%d errors so far)", what, self._errors)
 
-    def _safely(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run an observation step and return what it returned; an error in it is counted
-        and logged, never raised into SGLang (then None). It runs with torch function
-        dispatch off (``NO_TORCH_FUNCTION``)."""
-        try:
-            with NO_TORCH_FUNCTION():
-                return fn(*args, **kwargs)
-        except Exception:
-            self._failed(f"describe a {fn.__name__} call")
-            return None
-
     @property
     def detached(self) -> bool:
         return self._detached
@@ -495,14 +499,16 @@ class Instrumentation:
                 )
                 self._adopt_allocations(obj, name, tier, cap)
         # queues and acks
+        # each hook guards itself (an error is counted, never raised into SGLang): a queue's
+        # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
-            self._swap_list(c, attr, _OpQueue(getattr(c, attr), self._guarded(self._queued, direction)))
+            self._swap_list(c, attr, _OpQueue(getattr(c, attr), partial(self._queued, direction)))
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
             acks = _AckQueue(
                 getattr(c, attr),
-                on_append=self._guarded(self._ack_appended, direction),
-                on_taken=self._guarded(self._ack_taken, direction),
-                on_cancelled=self._guarded(self._ack_cancelled, direction, "ack queue cleared (controller reset)"),
+                on_append=partial(self._ack_appended, direction),
+                on_taken=partial(self._ack_taken, direction),
+                on_cancelled=partial(self._ack_cancelled, direction, "ack queue cleared (controller reset)"),
             )
             self._swap_list(c, attr, acks)
         self._wrap(c, "start_writing", self._submission_wrapper(D2H))
@@ -534,14 +540,6 @@ class Instrumentation:
         used = np.flatnonzero(in_use).astype(np.int64)
         if used.size:
             self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
-
-    def _guarded(self, step: Callable[..., Any], *tail: Any) -> Callable[[Any], None]:
-        """``step(item, *tail)`` as an observation step (:meth:`_safely`), for a queue's hooks."""
-
-        def hook(item: Any) -> None:
-            self._safely(step, item, *tail)
-
-        return hook
 
     def _swap_list(self, obj: Any, attr: str, observed: list[Any]) -> None:
         setattr(obj, attr, observed)
@@ -580,16 +578,16 @@ class Instrumentation:
                 ops = list(getattr(self.controller, queue_attr))
                 if not ops:
                     return original(*args, **kwargs)
-                sub = _Submission(self, direction, tuple(int(op.id) for op in ops), ops)
+                sub = _Submission(self, direction, tuple([int(op.id) for op in ops]), ops)
                 current.sub = sub
                 try:
                     result = original(*args, **kwargs)
                 except BaseException as exc:
                     current.sub = None
-                    self._safely(self._finish, sub, result=None, error=exc)
+                    self._finish(sub, None, exc)
                     raise
                 current.sub = None
-                self._safely(self._finish, sub, result=result, error=None)
+                self._finish(sub, result, None)
                 return result
 
             start.__wrapped__ = original  # type: ignore[attr-defined]
@@ -606,22 +604,27 @@ class Instrumentation:
                 if not takes_op:  # move_indices(host, device): the anchor pair of the merged op
                     result = original(op, *args, **kwargs)
                     device = args[0] if args else kwargs["device_indices"]
-                    sub.op = _merged_view(sub, op, device)
-                    self._safely(self._merged, sub)
-                    self._safely(
-                        self._report_moves,
-                        sub.op,
-                        {(ANCHOR, "host"): op, (ANCHOR, "device"): device},
-                        self._op_tensors(result[0], result[1], None),
-                    )
+                    try:
+                        sub.op = _merged_view(sub, op, device)
+                        self._merged(sub)
+                        self._report_moves(
+                            sub.op,
+                            {(ANCHOR, "host"): op, (ANCHOR, "device"): device},
+                            self._op_tensors(result[0], result[1], None),
+                        )
+                    except Exception:
+                        self._failed("describe an index move")
                     return result
                 sub.op = op
-                self._safely(self._merged, sub)
+                self._merged(sub)
                 before = self._op_tensors(op.host_indices, op.device_indices, getattr(op, "pool_transfers", None))
                 result = original(op, *args, **kwargs)
-                host, device = result[0], result[1]
-                transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
-                self._safely(self._report_moves, op, before, self._op_tensors(host, device, transfers))
+                try:
+                    host, device = result[0], result[1]
+                    transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
+                    self._report_moves(op, before, self._op_tensors(host, device, transfers))
+                except Exception:
+                    self._failed("describe an index move")
                 return result
 
             move.__wrapped__ = original  # type: ignore[attr-defined]
@@ -632,22 +635,23 @@ class Instrumentation:
     def _report_moves(
         self, op: Any, before: dict[tuple[str, str], torch.Tensor], after: dict[tuple[str, str], torch.Tensor]
     ) -> None:
-        for key, src in before.items():
-            dst = after.get(key)
-            if dst is None or dst is src:
-                continue
-            was, now = device_name(src), device_name(dst)
-            if now != was:
-                pool, role = key
-                self._emit(
-                    IndicesMoved,
-                    op=int(op.id),
-                    pool=pool,
-                    role=role,
-                    src_device=was,
-                    dst_device=now,
-                    tensor=tensor_ref(dst, pool, role, now),
-                )
+        with NO_TORCH_FUNCTION():
+            for key, src in before.items():
+                dst = after.get(key)
+                if dst is None or dst is src:
+                    continue
+                was, now = device_name(src), device_name(dst)
+                if now != was:
+                    pool, role = key
+                    self._emit(
+                        IndicesMoved,
+                        op=int(op.id),
+                        pool=pool,
+                        role=role,
+                        src_device=was,
+                        dst_device=now,
+                        tensor=tensor_ref(dst, pool, role, now),
+                    )
 
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -655,20 +659,27 @@ class Instrumentation:
                 sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watched = self._safely(self._received, sub, pool, host_indices, device_indices)
+                try:
+                    with NO_TORCH_FUNCTION():
+                        watched = self._received(sub, pool, host_indices, device_indices)
+                except Exception:
+                    self._failed("describe the index tensors a copy received")
+                    watched = None
                 if watched and self._staged_write_back(sub, host_pool) and pool not in sub.host_indices_on_cpu:
                     sub.host_indices_on_cpu.append(pool)
                 if not watched or self._shape.io_backend != "kernel":
                     # nothing to watch: a direct copy reads host indices as they are
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                watch = _ConversionWatch(pool, watched, self._failed)
+                # the first move of each (pool, role) in an op is reported: a load copies per
+                # layer, and each layer's copy converts the same indices again
+                known = frozenset(m[1] for m in sub.side_moves if m[0] == pool)
+                watch = _ConversionWatch(pool, watched, self._failed, known)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
-                seen = {(m[0], m[1]) for m in sub.side_moves if m[0] == pool}
                 for role, src, dst, ref in watch.moves:
-                    if (pool, role) not in seen:
+                    if role not in known:
                         sub.side_moves.append((pool, role, src, dst, ref))
-                        seen.add((pool, role))
+                        known |= {role}
                 return out
 
             copy.__wrapped__ = original  # type: ignore[attr-defined]
@@ -702,27 +713,23 @@ class Instrumentation:
                     watched[id(t)] = (role, t)
         return watched
 
-    def _slot_runs(self, t: torch.Tensor) -> Any:
-        """The runs of a host index tensor's values; None if it is empty, on a device, or
-        cannot be read (counted and logged). Allocations and frees are the adapter's most
-        frequent steps, and they run between copies, with cold caches: one DLPack read
-        each (:func:`describe.host_runs`)."""
-        try:
-            return describe.host_runs(t) or None
-        except Exception:
-            self._failed("read the slots of an index tensor")
-            return None
-
+    # Allocations and frees are the adapter's most frequent steps, and they run between
+    # copies, with cold caches: each is one call into the adapter, one DLPack read of the
+    # index tensor (:func:`describe.host_runs`) and the event; an empty tensor, one on a
+    # device, or one that cannot be read (counted and logged) gives no event.
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, emit = self._slot_runs, self._emit
+        log, failed = self.log, self._failed
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor):
-                    runs = read(out)
-                    if runs is not None:
-                        emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                    try:
+                        runs = describe.host_runs(out)
+                        if runs:
+                            log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
+                    except Exception:
+                        failed("record an allocation")
                 return out
 
             alloc.__wrapped__ = original  # type: ignore[attr-defined]
@@ -731,16 +738,24 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        read, emit = self._slot_runs, self._emit
+        log, failed = self.log, self._failed
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
                 # read before the free (the allocator may keep the tensor in its free list and
                 # reuse its memory), recorded once the free returned
-                runs = read(indices) if isinstance(indices, torch.Tensor) else None
+                runs = None
+                if isinstance(indices, torch.Tensor):
+                    try:
+                        runs = describe.host_runs(indices)
+                    except Exception:
+                        failed("read the slots of an index tensor")
                 out = original(indices, *args, **kwargs)
-                if runs is not None:
-                    emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                if runs:
+                    try:
+                        log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
+                    except Exception:
+                        failed("record a SlotsFreed event")
                 return out
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -771,32 +786,49 @@ class Instrumentation:
             slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
         return tuple(slots.items())
 
-    def _queued(self, op: Any, direction: str) -> None:
-        node_ids = getattr(op, "node_ids", None) or [-1]
-        self._emit(
-            OperationQueued,
-            op=int(op.id),
-            direction=direction,
-            node_id=int(node_ids[0]),
-            priority=int(op.priority if op.priority is not None else op.id),
-            slots_by_pool=self._slots_by_pool(op),
-        )
+    def _queued(self, direction: str, op: Any) -> None:
+        """A write or load queue's append (its hook: guards itself)."""
+        try:
+            with NO_TORCH_FUNCTION():
+                node_ids = getattr(op, "node_ids", None) or [-1]
+                self.log.emit(
+                    OperationQueued,
+                    op=int(op.id),
+                    direction=direction,
+                    node_id=int(node_ids[0]),
+                    priority=int(op.priority if op.priority is not None else op.id),
+                    slots_by_pool=self._slots_by_pool(op),
+                )
+        except Exception:
+            self._failed("record an OperationQueued event")
 
     def _merged(self, sub: _Submission) -> None:
+        """The submission's ``OperationsMerged``, once (guards itself)."""
         if sub.merged_emitted:
             return
         sub.merged_emitted = True
-        op = sub.op
-        op_id = int(op.id) if op is not None else sub.queued[0]
-        node_ids = tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else ()
-        self._emit(OperationsMerged, op=op_id, merged_ops=sub.queued, direction=sub.direction, node_ids=node_ids)
+        try:
+            op = sub.op
+            op_id = int(op.id) if op is not None else sub.queued[0]
+            node_ids = tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else ()
+            self.log.emit(OperationsMerged, op=op_id, merged_ops=sub.queued, direction=sub.direction, node_ids=node_ids)
+        except Exception:
+            self._failed("record an OperationsMerged event")
 
     def _stream_name(self, stream: Any) -> str:
         return self._stream_names.get(id(stream)) or f"stream@{id(stream):x}"
 
-    def _finish(self, sub: _Submission, *, result: Any, error: BaseException | None) -> None:
+    def _finish(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
+        """A submission's events, once its call returned or raised (guards itself)."""
         if sub.op is None and error is None:
             return  # nothing was merged (an empty queue raced us)
+        try:
+            with NO_TORCH_FUNCTION():
+                self._submitted(sub, result, error)
+        except Exception:
+            self._failed("describe a submission")
+
+    def _submitted(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         self._merged(sub)
         op = sub.op
         op_id = int(op.id) if op is not None else sub.queued[0]
@@ -811,10 +843,21 @@ class Instrumentation:
             by_id[id(t)] = (pool, role, ref)
         by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] | None = None  # built if a record needs it
         slots = self._slots_by_pool(op) if op is not None else ()
+        log = self.log
         for pool, role, src, dst, ref in sub.side_moves:
-            self._emit(
-                IndicesMoved, op=op_id, pool=pool, role=role, src_device=src, dst_device=dst, tensor=ref, stream=stream_name
-            )
+            try:
+                log.emit(
+                    IndicesMoved,
+                    op=op_id,
+                    pool=pool,
+                    role=role,
+                    src_device=src,
+                    dst_device=dst,
+                    tensor=ref,
+                    stream=stream_name,
+                )
+            except Exception:
+                self._failed("record an IndicesMoved event")
         # also for a failed launch: the fold then sees it submitted, then failed
         self._emit(
             TransferSubmitted,
@@ -840,7 +883,11 @@ class Instrumentation:
             if hit is None:
                 continue  # a tensor no copy of this op received
             pool, role, ref = hit
-            self._emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=self._stream_name(rec_stream), tensor=ref)
+            name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
+            try:
+                log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=name, tensor=ref)
+            except Exception:
+                self._failed("record a StreamRecorded event")
         if error is not None:
             for ack in sub.acks:
                 self._pending.pop(id(ack), None)
@@ -849,25 +896,34 @@ class Instrumentation:
         for ack in sub.acks:
             self._pending[id(ack)] = _Pending(op_id, sub.direction)
 
-    def _ack_appended(self, ack: Any, direction: str) -> None:
-        sub = getattr(current, "sub", None)
-        if sub is not None and sub.direction == direction:
-            sub.acks.append(ack)
+    # the ack queues' hooks (each guards itself)
+    def _ack_appended(self, direction: str, ack: Any) -> None:
+        try:
+            sub = getattr(current, "sub", None)
+            if sub is not None and sub.direction == direction:
+                sub.acks.append(ack)
+        except Exception:
+            self._failed("note an ack of a submission")
 
-    def _ack_taken(self, ack: Any, direction: str) -> None:
+    def _ack_taken(self, direction: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is None:
             return
-        duration = 0
-        start, finish = getattr(ack, "start_event", None), getattr(ack, "finish_event", None)
-        if getattr(ack, "timing_enabled", False) and start is not None and finish is not None:
-            try:
-                duration = int(start.elapsed_time(finish) * 1e6)
-            except (RuntimeError, ValueError, TypeError, NotImplementedError):
-                duration = 0
-        self._emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
+        try:
+            duration = 0
+            if getattr(ack, "timing_enabled", False):
+                start, finish = getattr(ack, "start_event", None), getattr(ack, "finish_event", None)
+                if start is not None and finish is not None:
+                    try:
+                        with NO_TORCH_FUNCTION():
+                            duration = int(start.elapsed_time(finish) * 1e6)
+                    except (RuntimeError, ValueError, TypeError, NotImplementedError):
+                        duration = 0
+            self.log.emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
+        except Exception:
+            self._failed("record a TransferCompleted event")
 
-    def _ack_cancelled(self, ack: Any, direction: str, why: str) -> None:
+    def _ack_cancelled(self, direction: str, why: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is not None:
             self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")

@@ -90,9 +90,22 @@ def _runs(t: torch.Tensor, facts: tuple[int, int, int, int, int, int, Any] | Non
 
 def host_runs(t: torch.Tensor) -> Any:
     """The runs of an index tensor's values (``()`` for an empty one), or None for device
-    values a read would sync for (a GPU)."""
-    with NO_TORCH_FUNCTION():
-        return _runs(t, _facts(t))
+    values a read would sync for (a GPU).
+
+    The adapter's most frequent read (every allocation and free), so :func:`_facts` and
+    :func:`_runs` are written out here: one function, and torch function dispatch is
+    turned off only where the fallback needs it (the DLPack export never dispatches)."""
+    if _TO_DLPACK is not None:
+        try:
+            cap = _TO_DLPACK(t)
+        except (RuntimeError, TypeError, BufferError, ValueError):
+            cap = None
+        if cap is not None:
+            facts = dlpack_facts(cap)
+            if facts[6] is not None or facts[0] not in _DL_HOST:
+                return facts[6]
+    values = host_values(t)  # which turns dispatch off itself
+    return None if values is None else runs_of(values)
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:

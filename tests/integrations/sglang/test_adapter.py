@@ -376,7 +376,8 @@ def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.M
     def unreadable(t: torch.Tensor) -> None:
         raise RuntimeError("these index values cannot be read")
 
-    monkeypatch.setattr(describe, "_facts", unreadable)  # the one-call read (DLPack)
+    monkeypatch.setattr(describe, "_facts", unreadable)  # the one-call read (DLPack) of a description
+    monkeypatch.setattr(describe, "_TO_DLPACK", unreadable)  # and of an allocation or free
     monkeypatch.setattr(describe, "host_values", unreadable)  # and the tensor's own methods
     loaded = _workload(h, nodes=2)  # SGLang carries on: allocs, frees, copies
     assert _data_intact(h, loaded)

@@ -35,6 +35,32 @@ def test_a_move_of_a_received_tensor_is_seen_with_its_new_tensor() -> None:
     assert (ref.pool, ref.role, ref.device, ref.numel) == ("mamba", "host", "meta", 8)
 
 
+def test_a_role_whose_move_the_op_already_reported_is_not_described_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load copies per layer and each layer's copy converts the same indices again: the
+    op's first move of a role is reported, the later ones are neither described nor kept
+    (the conversion itself still happens)."""
+    from hicache_obs.integrations.sglang import adapter
+
+    described: list[str] = []
+    real = adapter.tensor_ref
+
+    def counting(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> object:
+        described.append(role)
+        return real(t, pool, role, dev)
+
+    monkeypatch.setattr(adapter, "tensor_ref", counting)
+    h, d = torch.arange(4), torch.arange(4)
+
+    def fail(what: str) -> None:
+        raise AssertionError(what)
+
+    watch = _ConversionWatch("mamba", {id(h): ("host", h), id(d): ("device", d)}, fail, frozenset({"host"}))
+    with watch:
+        assert h.to("meta").device.type == "meta"  # converted, as the copy asked
+        assert d.to("meta").device.type == "meta"
+    assert [m[0] for m in watch.moves] == ["device"] and described == ["device"]
+
+
 def test_the_tensor_is_left_as_it_was() -> None:
     t = torch.arange(4)
     with _watch(t):
