@@ -311,13 +311,9 @@ def _detect(c: Any) -> _Shape:
                 hooks = [(entry, "device_alloc_fn", "device_free_fn")]
                 if owner is not None and getattr(entry.device_free_fn, "__self__", None) is owner:
                     hooks.insert(0, (owner, "alloc", "free"))
-                pools.append(
-                    _PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks)
-                )
+                pools.append(_PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks))
             else:
-                pools.append(
-                    _PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")])
-                )
+                pools.append(_PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")]))
     elif host is not None:
         pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
     for p in pools:
