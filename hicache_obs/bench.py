@@ -508,8 +508,8 @@ def _sglang_sink_specs(out_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-#: The orders of a round's slices: bare, instrumented and in-process runs, every permutation.
-_ORDERS = tuple(itertools.permutations(("bare", "instrumented", "in_process")))
+#: The orders of a round's slices: bare, instrumented, in-process and floor runs, every permutation.
+_ORDERS = tuple(itertools.permutations(("bare", "instrumented", "in_process", "floor")))
 
 #: (io backend, host layout) tried in order: the first whose warm-up runs is measured.
 #: 0.5.10's kernel path refuses the hybrid model's Mamba host indices (they are never
@@ -603,12 +603,17 @@ def bench_sglang_here(
     for its CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
     same controller runs :func:`sglang_workload` bare and instrumented
     (:func:`~hicache_obs.integrations.sglang.instrument` with the sinks of configuration (a)
-    in a sink host). A round rotates ``slices`` bare, ``slices`` instrumented and ``slices``
-    in-process runs (this machine's speed drifts within a second: short alternating runs
-    see the same drift) and compares their totals; the round's ratio is one sample. An
-    in-process run is the same instrumentation into an :class:`EventLog` of its own with no
-    sinks: ``in_process_ratio`` and ``in_process_per_op_us`` are the adapter's and the log's
-    share, and the rest of ``per_op_overhead_us`` the sink host's. Each instrumented
+    in a sink host). A round rotates ``slices`` bare, ``slices`` instrumented, ``slices``
+    in-process and ``slices`` floor runs (this machine's speed drifts within a second: short
+    alternating runs see the same drift) and compares their totals; the round's ratio is one
+    sample. An in-process run is the same instrumentation into an :class:`EventLog` of its
+    own with no sinks: ``in_process_ratio`` and ``in_process_per_op_us`` are the adapter's and
+    the log's share, and the rest of ``per_op_overhead_us`` the sink host's. A floor run is
+    the adapter's hooks on the same boundaries emitting about as many events with constant
+    contents, reading nothing (``integrations/sglang/_floor.py``), into a log of its own with
+    no sinks: ``floor_per_op_us`` is what reporting these steps from Python hooks costs
+    whatever is read, and ``in_process_per_op_us`` minus it what the adapter's evidence
+    (slots, devices, descriptions) adds. Each instrumented
     run ends when the sink host handled all of its events (``log.flush``), and closing the
     round's log (every sink flushed and closed) counts as instrumented time too. The log
     and its sink host are set up before, and the instrumentation attached before and
@@ -622,6 +627,7 @@ def bench_sglang_here(
     from .core.spec import ModelSpec
     from .events.log import EventLog
     from .integrations.sglang import instrument
+    from .integrations.sglang._floor import instrument_floor
     from .integrations.sglang.testing import build_controller, kernel_sources, sglang_version
 
     spec = ModelSpec.tiny_hybrid()
@@ -658,10 +664,11 @@ def bench_sglang_here(
 
     def one_round() -> tuple[dict[str, float], dict[str, float]]:
         """``slices`` bare, instrumented and in-process runs of the plan, rotating; their total times."""
-        wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
-        cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0}
+        wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
+        cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
         counter[0] += 1
         in_process_events[0] = 0
+        floor_events[0] = 0
         flush_s[0] = 0.0
         out_dir = tmp / str(counter[0])
         out_dir.mkdir()
@@ -679,9 +686,11 @@ def bench_sglang_here(
                     _sglang_check_idle(harness, free, "bare")
                     continue
                 # in_process: the same instrumentation into a log of this process with no sinks
-                # (what the adapter and the log cost, without the sink host's share)
+                # (what the adapter and the log cost, without the sink host's share); floor: the
+                # same hooks emitting constant events into such a log (nothing read)
                 into = log if name == "instrumented" else EventLog(capacity=100_000)
-                inst = instrument(harness.controller, log=into)  # attached and detached untimed
+                attach = instrument_floor if name == "floor" else instrument
+                inst = attach(harness.controller, log=into)  # attached and detached untimed
                 try:
 
                     def go(into: EventLog = into) -> None:
@@ -695,7 +704,7 @@ def bench_sglang_here(
                 finally:
                     inst.detach()
                     if into is not log:
-                        in_process_events[0] += into.published
+                        (floor_events if name == "floor" else in_process_events)[0] += into.published
                         into.close()
                 if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
                     raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
@@ -717,12 +726,13 @@ def bench_sglang_here(
 
     events = [0]
     in_process_events = [0]
+    floor_events = [0]
     flush_s = [0.0]  # the round's waits for the sink host at the end of its instrumented runs
     flush_per_run: list[float] = []
     host_cpu_per_event: list[float] = []
     ops = 2 * len(plan) * slices  # per round and side
-    got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
-    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": []}
+    got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
+    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
     gc.collect()
     gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
     try:
@@ -747,6 +757,8 @@ def bench_sglang_here(
     rc = ratio_of_times(got_cpu["instrumented"], got_cpu["bare"])
     rp = ratio_of_times(got["in_process"], got["bare"])
     per_op_in_process = [(i - b) / ops * 1e6 for i, b in zip(got["in_process"], got["bare"])]
+    rf = ratio_of_times(got["floor"], got["bare"])
+    per_op_floor = [(f - b) / ops * 1e6 for f, b in zip(got["floor"], got["bare"])]
     out: dict[str, Any] = {
         "available": True,
         "release": sglang_version(),
@@ -775,6 +787,12 @@ def bench_sglang_here(
         "in_process_ratio_spread": [rp.lo, rp.hi],
         "in_process_per_op_us": statistics.median(per_op_in_process),
         "in_process_events": in_process_events[0],  # of one round's in-process runs, as ``events``
+        # the same hooks emitting constant events, nothing read (the cost of reporting these
+        # steps from Python at all), in the same rounds; its events of one round's floor runs
+        "floor_ratio": rf.median,
+        "floor_ratio_spread": [rf.lo, rf.hi],
+        "floor_per_op_us": statistics.median(per_op_floor),
+        "floor_events": floor_events[0],
         # of the sink host's share: the wait at the end of each instrumented run for the child to
         # handle what was handed over last (its work on the run's last batch), per operation, and
         # the child's CPU time per event it handled (beside the controller, on another core)

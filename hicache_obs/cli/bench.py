@@ -152,4 +152,9 @@ def _sglang_line(sg: dict[str, Any]) -> str:
             if "flush_wait_per_op_us" in sg
             else ""
         )
+        + (
+            f"; the same hooks emitting constant events, nothing read, {sg['floor_per_op_us']:+.0f} us"
+            if "floor_per_op_us" in sg
+            else ""
+        )
     )

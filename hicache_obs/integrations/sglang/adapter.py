@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -382,6 +382,9 @@ def _free_values(obj: Any) -> list[int] | None:
 
 
 # ------------------------------------------------------------- instrumentation
+_I = TypeVar("_I", bound="Instrumentation")
+
+
 class Instrumentation:
     """One instrumented SGLang controller: its event ``log`` and ``detach()``."""
 
@@ -454,7 +457,7 @@ class Instrumentation:
 
     # ------------------------------------------------------------- wiring
     @classmethod
-    def attach_to(cls, controller: Any, log: EventLog, shape: _Shape) -> Instrumentation:
+    def attach_to(cls: type[_I], controller: Any, log: EventLog, shape: _Shape) -> _I:
         """Instrument ``controller`` (of ``shape``) into ``log``; on any failure every change
         made so far is undone before the error propagates."""
         inst = cls(controller, log, shape)
