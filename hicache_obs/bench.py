@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import io
-import itertools
 import os
 import platform
 import statistics
@@ -508,8 +507,11 @@ def _sglang_sink_specs(out_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-#: The orders of a round's slices: bare, instrumented, in-process and floor runs, every permutation.
-_ORDERS = tuple(itertools.permutations(("bare", "instrumented", "in_process", "floor")))
+#: The orders of a round's slices: bare, instrumented, in-process and floor runs as the rows of
+#: a balanced Latin square: over four slices each kind runs once in each place, and each kind
+#: runs right after each other kind once.
+_KINDS = ("bare", "instrumented", "in_process", "floor")
+_ORDERS = tuple(tuple(_KINDS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)))
 
 #: (io backend, host layout) tried in order: the first whose warm-up runs is measured.
 #: 0.5.10's kernel path refuses the hybrid model's Mamba host indices (they are never
@@ -610,7 +612,7 @@ def bench_sglang_here(
     own with no sinks: ``in_process_ratio`` and ``in_process_per_op_us`` are the adapter's and
     the log's share, and the rest of ``per_op_overhead_us`` the sink host's. A floor run is
     the adapter's hooks on the same boundaries emitting about as many events with constant
-    contents, reading nothing (``integrations/sglang/_floor.py``), into a log of its own with
+    contents, reading nothing (:mod:`~hicache_obs.integrations.sglang.floor`), into a log of its own with
     no sinks: ``floor_per_op_us`` is what reporting these steps from Python hooks costs
     whatever is read, and ``in_process_per_op_us`` minus it what the adapter's evidence
     (slots, devices, descriptions) adds. Each instrumented
@@ -627,7 +629,7 @@ def bench_sglang_here(
     from .core.spec import ModelSpec
     from .events.log import EventLog
     from .integrations.sglang import instrument
-    from .integrations.sglang._floor import instrument_floor
+    from .integrations.sglang.floor import instrument_floor
     from .integrations.sglang.testing import build_controller, kernel_sources, sglang_version
 
     spec = ModelSpec.tiny_hybrid()
@@ -674,9 +676,9 @@ def bench_sglang_here(
         out_dir.mkdir()
         log = EventLog(capacity=100_000)
         add_sink_host(log, _sglang_sink_specs(out_dir))
-        # each slice runs the three in one of their six orders, in turn: each comes first, and
-        # after each of the others, equally often (what one run leaves behind, a sink host still
-        # busy or the caches, falls on every kind of run alike)
+        # each slice runs the four in one of the orders, in turn: over a round's four slices each
+        # comes first, and right after each of the others, once (what one run leaves behind, a
+        # sink host still busy or the caches, falls on every kind of run alike)
         names = [name for s in range(slices) for name in _ORDERS[(counter[0] + s) % len(_ORDERS)]]
         try:
             for name in names:

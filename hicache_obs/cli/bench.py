@@ -153,7 +153,7 @@ def _sglang_line(sg: dict[str, Any]) -> str:
             else ""
         )
         + (
-            f"; the same hooks emitting constant events, nothing read, {sg['floor_per_op_us']:+.0f} us"
+            f"; the hooks alone (constant events, nothing read) {sg['floor_ratio']:.3f}, {sg['floor_per_op_us']:+.0f} us"
             if "floor_per_op_us" in sg
             else ""
         )

@@ -457,6 +457,24 @@ class Instrumentation:
 
     # ------------------------------------------------------------- wiring
     @classmethod
+    def attach(cls: type[_I], controller: Any, *, log: EventLog | None = None, rank: int | None = None) -> _I:
+        """Instrument ``controller`` as an instance of this class (what :func:`instrument`
+        does once it checked its arguments): refused with
+        :class:`~hicache_obs.errors.IntegrationError`, nothing changed, where the controller
+        is instrumented already or of a shape the adapter does not know; ``log`` is a new
+        :class:`EventLog` for the controller's TP rank (or ``rank``) unless given."""
+        with _registry_lock:
+            if controller in _registry:
+                raise IntegrationError(f"this {type(controller).__name__} is already instrumented; detach() it first")
+            shape = _detect(controller)
+            if log is None:
+                log = EventLog(rank=_rank_of(controller) if rank is None else rank)
+            inst = cls.attach_to(controller, log, shape)
+            _registry[controller] = weakref.ref(inst)
+        inst.hold_record_stream_observer()
+        return inst
+
+    @classmethod
     def attach_to(cls: type[_I], controller: Any, log: EventLog, shape: _Shape) -> _I:
         """Instrument ``controller`` (of ``shape``) into ``log``; on any failure every change
         made so far is undone before the error propagates."""
@@ -887,6 +905,11 @@ class Instrumentation:
                 log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=name, tensor=ref)
             except Exception:
                 self._failed("record a StreamRecorded event")
+        self._settle_acks(sub, op_id, error)
+
+    def _settle_acks(self, sub: _Submission, op_id: int, error: BaseException | None) -> None:
+        """A submission's acks await their op's completion; a submission that raised is a
+        ``TransferFailed`` instead (its acks are never taken as completions)."""
         if error is not None:
             for ack in sub.acks:
                 self._pending.pop(id(ack), None)
@@ -980,16 +1003,7 @@ def instrument(controller: Any, *, log: EventLog | None = None, rank: int | None
         raise IntegrationError(f"instrument() needs an SGLang HiCache controller, got {type(controller).__name__}")
     if log is not None and not isinstance(log, EventLog):
         raise IntegrationError(f"log must be an EventLog or None, got {type(log).__name__}")
-    with _registry_lock:
-        if controller in _registry:
-            raise IntegrationError(f"this {type(controller).__name__} is already instrumented; detach() it first")
-        shape = _detect(controller)
-        if log is None:
-            log = EventLog(rank=_rank_of(controller) if rank is None else rank)
-        inst = Instrumentation.attach_to(controller, log, shape)
-        _registry[controller] = weakref.ref(inst)
-    inst.hold_record_stream_observer()
-    return inst
+    return Instrumentation.attach(controller, log=log, rank=rank)
 
 
 def instrumentation_of(controller: Any) -> Instrumentation | None:
