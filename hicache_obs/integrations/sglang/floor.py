@@ -27,7 +27,7 @@ CPU harness's workloads the counts are equal (the tests hold them to it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...core.spec import ANCHOR
@@ -46,7 +46,7 @@ from ...events.schema import (
 from .adapter import Instrumentation
 from .record_stream import current
 
-__all__ = ["FloorInstrumentation", "instrument_floor"]
+__all__ = ["PARTS", "FloorInstrumentation", "floor_with", "instrument_floor"]
 
 _REF = TensorRef(pool=ANCHOR, role="device", device="cpu", numel=1, dtype="int64", ptr=0)
 _RUNS = ((0, 1),)
@@ -185,3 +185,30 @@ def instrument_floor(controller: Any, *, log: EventLog) -> FloorInstrumentation:
     if not isinstance(log, EventLog):
         raise TypeError(f"log must be an EventLog, got {type(log).__name__}")
     return FloorInstrumentation.attach(controller, log=log)
+
+
+#: The adapter's evidence, part by part: the hooks of :class:`~.adapter.Instrumentation`
+#: that read it (the rest of each step is the floor's too). ``submission`` is what a
+#: submission's end describes of what its copies received (with ``copy``, which notes
+#: them and watches the conversions).
+PARTS: dict[str, tuple[str, ...]] = {
+    "slots": ("_alloc_wrapper", "_free_wrapper"),
+    "queue": ("_queued",),
+    "acks": ("_ack_taken",),
+    "move": ("_move_wrapper",),
+    "copy": ("_copy_wrapper",),
+    "submission": ("_finish",),
+}
+
+
+def floor_with(parts: Iterable[str]) -> type[FloorInstrumentation]:
+    """The floor with the adapter's own hooks for ``parts`` (names of :data:`PARTS`): what
+    those parts of the evidence cost is its cost above the floor's, measured side by side
+    (``benchmarks/sglang_parts.py``)."""
+    parts = tuple(parts)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown parts {unknown}: choose from {sorted(PARTS)}")
+    adapter_hooks = vars(Instrumentation)
+    hooks = {name: adapter_hooks[name] for part in parts for name in PARTS[part]}
+    return type(f"FloorWith_{'_'.join(parts) or 'nothing'}", (FloorInstrumentation,), hooks)

@@ -133,3 +133,34 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
     assert [set(vars(o)) for o in wrapped] == before  # no hook left on the controller or a pool
     for name in ("write_queue", "load_queue", "ack_write_queue", "ack_load_queue"):
         assert type(getattr(c, name)) is list
+
+
+def test_floor_with_a_part_reads_that_part_with_the_adapters_own_hooks() -> None:
+    """``floor_with(["slots"])``: the adapter's allocation and free hooks (their events carry
+    the slots SGLang handed out), the floor's everywhere else (constant op ids)."""
+    from hicache_obs.bench import _sglang_plan, sglang_workload
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.events import EventLog
+    from hicache_obs.events.schema import SlotsAllocated, SlotsFreed
+    from hicache_obs.integrations.sglang.floor import PARTS, FloorInstrumentation, floor_with
+    from hicache_obs.integrations.sglang.testing import build_controller
+
+    with pytest.raises(ValueError, match=r"unknown parts \['slot'\]"):
+        floor_with(["slot"])
+    assert floor_with([]).__mro__[1] is FloorInstrumentation and set(PARTS) >= {"slots", "copy", "submission"}
+    spec = ModelSpec.tiny_hybrid()
+    h = build_controller(spec, io_backend="direct", device_size=512)
+    log = EventLog()
+    inst = floor_with(["slots"]).attach(h.controller, log=log)
+    try:
+        start = log.published
+        sglang_workload(h, _sglang_plan(4, spec.page_size), 2)
+    finally:
+        inst.detach()
+    assert inst.errors == 0
+    events = log.events()[start:]
+    slots = [ev for ev in events if isinstance(ev, (SlotsAllocated, SlotsFreed))]
+    # what was really allocated and freed (the floor's own is one slot, slot 0, every time)
+    assert slots and any(ev.indices != ((0, 1),) for ev in slots)
+    assert sum(n for ev in slots if isinstance(ev, SlotsAllocated) for _, n in ev.indices) > len(slots)
+    assert {getattr(ev, "op", -1) for ev in events} <= {0, -1}  # the rest is the floor's
