@@ -734,20 +734,15 @@ class Instrumentation:
     # copies, with cold caches: each is one call into the adapter, one DLPack read of the
     # index tensor (:func:`describe.host_runs`) and the event; an empty tensor, one on a
     # device, or one that cannot be read (counted and logged) gives no event.
-    # the slots of an allocation's or free's index tensor: describe.host_runs itself (no
-    # frame of the adapter's between), which a subclass may replace (the bench's floor reads
-    # nothing)
-    _slot_runs = staticmethod(describe.host_runs)
-
     def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        log, failed, read = self.log, self._failed, self._slot_runs
+        log, failed = self.log, self._failed
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def alloc(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
                 if isinstance(out, torch.Tensor):
                     try:
-                        runs = read(out)
+                        runs = describe.host_runs(out)
                         if runs:
                             log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
                     except Exception:
@@ -760,7 +755,7 @@ class Instrumentation:
         return make
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        log, failed, read = self.log, self._failed, self._slot_runs
+        log, failed = self.log, self._failed
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
@@ -769,7 +764,7 @@ class Instrumentation:
                 runs = None
                 if isinstance(indices, torch.Tensor):
                     try:
-                        runs = read(indices)
+                        runs = describe.host_runs(indices)
                     except Exception:
                         failed("read the slots of an index tensor")
                 out = original(indices, *args, **kwargs)

@@ -15,8 +15,7 @@ is of which use). The log is for counting and timing only: its events describe n
 that happened.
 
 The counts, by type, against the adapter's: one ``SlotsAllocated`` / ``SlotsFreed`` per
-allocation that returned a tensor and per free of one (the adapter's own hooks, with a
-read that returns one constant run); one ``OperationQueued`` per append; per
+allocation that returned a tensor and per free; one ``OperationQueued`` per append; per
 submission one ``OperationsMerged``, one op-level ``IndicesMoved``, one more
 ``IndicesMoved`` for the first copy of each pool but the anchor on the kernel backend
 (where the adapter reports the Mamba pool converting its host indices), one
@@ -37,6 +36,8 @@ from ...events.schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
+    SlotsAllocated,
+    SlotsFreed,
     StreamRecorded,
     TensorRef,
     TransferCompleted,
@@ -70,9 +71,40 @@ class FloorInstrumentation(Instrumentation):
         except Exception:
             self._failed("record a TransferCompleted event")
 
-    @staticmethod
-    def _slot_runs(t: Any) -> Any:  # the adapter's allocation and free hooks, with no read
-        return _RUNS
+    def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        log, failed = self.log, self._failed
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def alloc(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                if out is not None:  # a failed allocation (None) is no event, as in the adapter
+                    try:
+                        log.emit(SlotsAllocated, pool=pool, tier=tier, indices=_RUNS)
+                    except Exception:
+                        failed("record an allocation")
+                return out
+
+            alloc.__wrapped__ = original  # type: ignore[attr-defined]
+            return alloc
+
+        return make
+
+    def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        log, failed = self.log, self._failed
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
+                out = original(indices, *args, **kwargs)
+                try:
+                    log.emit(SlotsFreed, pool=pool, tier=tier, indices=_RUNS)
+                except Exception:
+                    failed("record a SlotsFreed event")
+                return out
+
+            free.__wrapped__ = original  # type: ignore[attr-defined]
+            return free
+
+        return make
 
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         converts = pool != ANCHOR and self._shape.io_backend == "kernel"
@@ -160,7 +192,7 @@ def instrument_floor(controller: Any, *, log: EventLog) -> FloorInstrumentation:
 #: submission's end describes of what its copies received (with ``copy``, which notes
 #: them and watches the conversions).
 PARTS: dict[str, tuple[str, ...]] = {
-    "slots": ("_slot_runs",),
+    "slots": ("_alloc_wrapper", "_free_wrapper"),
     "queue": ("_queued",),
     "acks": ("_ack_taken",),
     "move": ("_move_wrapper",),
