@@ -611,7 +611,7 @@ def bench_sglang_here(
     sample. An in-process run is the same instrumentation into an :class:`EventLog` of its
     own with no sinks: ``in_process_ratio`` and ``in_process_per_op_us`` are the adapter's and
     the log's share, and the rest of ``per_op_overhead_us`` the sink host's. A floor run is
-    the adapter's hooks on the same boundaries emitting about as many events with constant
+    the adapter's hooks on the same boundaries emitting as many events (``floor_events``) with constant
     contents, reading nothing (:mod:`~hicache_obs.integrations.sglang.floor`), into a log of its own with
     no sinks: ``floor_per_op_us`` is what reporting these steps from Python hooks costs
     whatever is read, and ``in_process_per_op_us`` minus it what the adapter's evidence
