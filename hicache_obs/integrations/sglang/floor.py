@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...core.spec import ANCHOR
+from ...errors import IntegrationError
 from ...events.log import EventLog
 from ...events.schema import (
     IndicesMoved,
@@ -183,7 +184,7 @@ def instrument_floor(controller: Any, *, log: EventLog) -> FloorInstrumentation:
     :func:`~hicache_obs.integrations.sglang.instrument` attaches the adapter (refused the
     same way: one instrumented already, an unknown shape); ``detach()`` restores it."""
     if not isinstance(log, EventLog):
-        raise TypeError(f"log must be an EventLog, got {type(log).__name__}")
+        raise IntegrationError(f"log must be an EventLog, got {type(log).__name__}")
     return FloorInstrumentation.attach(controller, log=log)
 
 

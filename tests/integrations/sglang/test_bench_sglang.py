@@ -109,6 +109,8 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
         assert isinstance(floor, FloorInstrumentation) and instrumentation_of(c) is floor
         with pytest.raises(IntegrationError, match="already instrumented"):
             instrument_floor(c, log=EventLog())
+        with pytest.raises(IntegrationError, match="log must be an EventLog, got dict"):
+            instrument_floor(c, log={})  # type: ignore[arg-type]
         for name in ("_facts", "_TO_DLPACK", "host_values", "host_runs", "tensor_ref", "device_name"):
             monkeypatch.setattr(describe, name, unreadable)
         for name in ("tensor_ref", "device_name"):
