@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test test-pure lint typecheck check bench venv clean sglang sglang-clean sanitize
+.PHONY: demo test test-pure lint typecheck check bench venv clean sglang sglang-server sglang-clean sanitize
 
 venv: $(STAMP)
 
@@ -29,7 +29,8 @@ test: $(STAMP)
 	@for r in $(SGLANG_RELEASES); do \
 	  if [ -f $(SGLANG_DIR)/$$r/.installed ]; then \
 	    echo "== SGLang $$r: $(SGLANG_TESTS)"; \
-	    HICACHE_REQUIRE_SGLANG=1 $(SGLANG_DIR)/$$r/bin/python -m pytest -q -p no:cacheprovider \
+	    server=0; case " $(SGLANG_SERVER_RELEASES) " in *" $$r "*) [ "$$CI" = true ] && server=1;; esac; \
+	    HICACHE_REQUIRE_SGLANG=1 HICACHE_REQUIRE_SGLANG_SERVER=$$server $(SGLANG_DIR)/$$r/bin/python -m pytest -q -p no:cacheprovider \
 	      $(SGLANG_TESTS) --ignore=$(SGLANG_TESTS)/test_kernels.py $(PYTEST_ARGS) || exit 1; \
 	  elif [ "$$CI" = true ]; then \
 	    echo "SGLang $$r is not installed: run make sglang first" >&2; exit 1; \
@@ -95,6 +96,21 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 	# import what the tests import, once: its bytecode is written now, and the stand-ins are proven
 	env -u PYTHONDONTWRITEBYTECODE $(SGLANG_DIR)/$*/bin/python -W ignore -c \
 	  'from hicache_obs.integrations.sglang.testing import prepare; prepare()'
+	touch $@
+
+# What SGLang's HTTP server needs on top of a release's set, for the real-server tests
+# (tests/integrations/sglang/test_real_server.py): $(SGLANG_REQS)/server-<release>.txt,
+# installed with --no-deps into that release's venv. In CI (CI=true) the real-server tests
+# fail rather than skip on these releases when it is missing.
+SGLANG_SERVER_RELEASES ?= 0.5.23
+
+sglang-server: $(foreach r,$(SGLANG_SERVER_RELEASES),$(SGLANG_DIR)/$(r)/.server-installed)
+
+$(SGLANG_DIR)/%/.server-installed: $(SGLANG_REQS)/server-%.txt $(SGLANG_DIR)/%/.installed
+	$(PIP) --python $(SGLANG_DIR)/$*/bin/python install -q --no-deps --only-binary=:all: $(SGLANG_PIP_ARGS) -r $<
+	env -u PYTHONDONTWRITEBYTECODE SGLANG_USE_CPU_ENGINE=1 HICACHE_OBS_SGLANG_CPU=1 \
+	  PYTHONPATH=hicache_obs/integrations/sglang/_cpu_boot $(SGLANG_DIR)/$*/bin/python -W ignore -c \
+	  'import sglang.srt.entrypoints.http_server, sglang.srt.models.llama, sglang.srt.models.lfm2; print("sglang server imports")'
 	touch $@
 
 sglang-clean:

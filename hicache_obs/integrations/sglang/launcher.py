@@ -192,13 +192,28 @@ def _patch_module(module: Any) -> None:
             _patch_class(cls)
 
 
+def find_spec_after(finder: Any, name: str, path: Any, target: Any = None) -> Any:
+    """The spec the finders after ``finder`` on ``sys.meta_path`` give for ``name`` (another
+    import hook that wraps the same module keeps working, whichever comes first)."""
+    finders = list(sys.meta_path)
+    rest = finders[finders.index(finder) + 1 :] if finder in finders else finders
+    for other in rest:
+        find = getattr(other, "find_spec", None)
+        if find is None:
+            continue
+        spec = find(name, path, target)
+        if spec is not None:
+            return spec
+    return importlib.machinery.PathFinder.find_spec(name, path)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     """Runs :func:`_patch_module` right after a target module has executed."""
 
     def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
         if name not in TARGETS:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec = find_spec_after(self, name, path, target)
         if spec is None or spec.loader is None:
             return None
         loader = spec.loader

@@ -18,7 +18,9 @@ if os.environ.get("HICACHE_OBS_INSTRUMENT") == "1":
 
 
 def _chain() -> None:
-    rest = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    # only the entries after this folder: a boot folder before it has chained here already
+    mine = [i for i, p in enumerate(sys.path) if os.path.abspath(p or ".") == _here]
+    rest = sys.path[mine[-1] + 1 :] if mine else list(sys.path)
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None or spec.origin == __file__:
         return

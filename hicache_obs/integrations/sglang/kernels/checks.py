@@ -29,6 +29,15 @@ _WARP_SIZE = 32
 _MAX_THREADS_PER_BLOCK = 1024
 _U64 = (1 << 64) - 1
 
+DEVICE_INDEX_TYPES: frozenset[str] = frozenset({"cuda"})
+"""Device types the kernels accept index tensors on: sgl-kernel's are CUDA only. The CPU
+server stand-ins add ``cpu``, where the device pools themselves live on the CPU."""
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether a kernel accepts ``t`` as device-side indices (``is_cuda``, or a type of :data:`DEVICE_INDEX_TYPES`)."""
+    return bool(t.is_cuda) or t.device.type in DEVICE_INDEX_TYPES
+
 
 class KernelCheckError(HiCacheError, RuntimeError):
     """A kernel launcher refused its arguments; the message is the launcher's own where it has one."""
@@ -173,9 +182,9 @@ def _launch(
 ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """``transfer_kv_launcher``'s checks: the host copies of the indices and ``item_size``, or None when nothing is copied."""
     item_size = as_int(item_size, "item_size")
-    if not src_indices.is_cuda:
+    if not on_device(src_indices):
         raise KernelCheckError("Source indices must be a CUDA tensor")
-    if not dst_indices.is_cuda:
+    if not on_device(dst_indices):
         raise KernelCheckError("Destination indices must be a CUDA tensor")
     if src_indices.dtype != torch.int64:
         raise KernelCheckError("Source indices must be of type long")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import memory
 from .arguments import as_int, plain
 from .checks import (
     BLOCK_QUOTA,
@@ -372,6 +373,8 @@ def transfer_kv_all_layer_lf_ph(
 
 def _copy_page(src: torch.Tensor, dst: torch.Tensor, src_index: int, dst_index: int, count: int) -> None:
     """``dst[dst_index : dst_index + count] = src[src_index : src_index + count]`` with slice clamping, as at::slice does."""
+    if memory.copy_gate is not None and not memory.copy_gate(dst):
+        return
     dst[dst_index : dst_index + count].copy_(src[src_index : src_index + count])
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import checks
 from .arguments import as_int, plain
 from .checks import KernelCheckError, no_negatives, pointers
 from .memory import Side, copy_items, layer_first, page_first, tensor_side
@@ -58,7 +59,7 @@ def _match_mamba_indices(src_indices: torch.Tensor, dst_indices: torch.Tensor) -
                 else f"DType mismatch: expected int64 but got {_dl_name(t)}"
             )
             raise _match_failed(t, name, cause)
-        if not t.is_cuda:
+        if not checks.on_device(t):
             cause = (
                 f"Device value [{_dl_device(t)}] not in the allowed options: [cuda]"
                 if position == 0

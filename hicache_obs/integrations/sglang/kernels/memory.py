@@ -14,7 +14,7 @@ import bisect
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -262,6 +262,11 @@ def _resolve(side: Side, offsets: torch.Tensor, width: int, memory: Memory) -> t
     return _storage_bytes(storage), side.address - start
 
 
+copy_gate: Callable[[torch.Tensor], bool] | None = None
+"""Asked before each copy with the destination's bytes; False skips the copy. None (the
+default) copies everything; a test sets it to inject a transfer that moves nothing."""
+
+
 def copy_items(
     src: Side, src_offsets: torch.Tensor, dst: Side, dst_offsets: torch.Tensor, width: int, memory: Memory = MEMORY
 ) -> None:
@@ -270,6 +275,8 @@ def copy_items(
         return
     sbuf, sat = _resolve(src, src_offsets, width, memory)
     dbuf, dat = _resolve(dst, dst_offsets, width, memory)
+    if copy_gate is not None and not copy_gate(dbuf):
+        return
     _scatter(dbuf, dat, dst_offsets, _gather(sbuf, sat, src_offsets, width))
 
 
