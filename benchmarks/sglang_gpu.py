@@ -41,7 +41,7 @@ def main() -> int:
     rc = 0
     for backend in ("kernel", "direct"):
         buf = io.StringIO()
-        argv = ["demo", "--engine", "sglang", "--runtime", "cuda", "--io-backend", backend]
+        argv = ["demo", "--engine", "sglang-controller", "--runtime", "cuda", "--io-backend", backend]
         argv += ["--steps", str(args.steps), "--json", "--out", str(out / f"log-{backend}")]
         try:
             with contextlib.redirect_stdout(buf):

@@ -38,7 +38,7 @@ __all__ = ["register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"]
 DEFAULT_STEPS = 200
 DEFAULT_OUT = "hicache-demo"
 TRACE_FILE = "trace.json"
-ENGINES = ("ours", "sglang")
+ENGINES = ("ours", "sglang", "sglang-controller")
 DEFAULT_RUNTIME = "sim"
 DEFAULT_LAYOUT = "layer_first"
 #: How far the store's writer thread may fall behind before the demo waits for it (policy
@@ -61,10 +61,14 @@ examples:
       also send one span per transfer over OTLP/HTTP (or set
       OTEL_EXPORTER_OTLP_ENDPOINT)
   hicache-obs demo --model tiny_swa --runtime cpu --json
-  hicache-obs demo --engine sglang --steps 50
-      the same workload through SGLang's real HiCache controller, instrumented
-      (needs SGLang: make sglang; on 0.5.10 add --io-backend direct to see the
-      unrecorded Mamba indices, or keep kernel to see its copies fail)
+  hicache-obs demo --engine sglang --steps 60
+      SGLang's real server (python -m sglang.launch_server, HiCache on, a tiny
+      model made here) under hicache-obs instrument, with chat clients over HTTP
+      (needs SGLang and its server: make sglang sglang-server)
+  hicache-obs demo --engine sglang-controller --steps 50
+      the synthetic workload through SGLang's HiCache controller, instrumented
+      (on 0.5.10 add --io-backend direct to see the unrecorded Mamba indices, or
+      keep kernel to see its copies fail)
 
 then:
   hicache-obs audit hicache-demo/      hicache-obs inspect hicache-demo/
@@ -108,8 +112,10 @@ def register(sub: Any) -> None:
         choices=list(ENGINES),
         default="ours",
         metavar="NAME",
-        help="whose controller serves the workload: ours (hicache_obs.core) or sglang (SGLang's own, "
-        "instrumented; needs SGLang installed) (default: %(default)s)",
+        help="what serves: ours (hicache_obs.core, the synthetic workload), sglang (SGLang's real server "
+        "with HiCache, instrumented, driven over HTTP by chat clients; needs SGLang and its server "
+        "installed in this Python) or sglang-controller (SGLang's controller driven by the synthetic "
+        "workload, in this process) (default: %(default)s)",
     )
     p.add_argument(
         "--model",
@@ -236,11 +242,13 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     from ..testing import fault_class, make_controller
     from ..workload import Workload, controller_options
 
+    if getattr(args, "engine", "ours") == "sglang":
+        return _run_server(args)
     spec = ModelSpec.preset(args.model)
     # before torch is asked for terabytes; on cuda the device tier is the GPU's memory, not this
     _check_pool_memory(spec, args.device_tokens, device_tier=(args.runtime or DEFAULT_RUNTIME) != "cuda")
     harness = None
-    if getattr(args, "engine", "ours") == "sglang":
+    if getattr(args, "engine", "ours") == "sglang-controller":
         harness = _sglang_harness(args, spec)  # refusals, a missing SGLang: before --out is touched
         runtime = None
     else:
@@ -368,6 +376,119 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
             if not args.serve:
                 raise
     return EXIT_OK
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    """``--engine sglang``: SGLang's real server under ``hicache-obs instrument``, chat clients over HTTP."""
+    from ..integrations.sglang import server_demo as sd
+
+    sd.check_server_options(
+        model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
+    )
+    release = sd.require_server()  # refusals and a missing server: before --out is touched
+    args.runtime, args.layout = "cpu", args.layout or "page_first"
+    out = Path(args.out)
+    _prepare_out(out, "rank-*/events*.jsonl")
+    otlp_endpoint = args.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    say = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    demo = sd.ServerDemo(
+        model=args.model, steps=args.steps, out=out, io_backend=args.io_backend, layout=args.layout,
+        write_policy=args.write_policy, device_tokens=args.device_tokens, seed=args.seed,
+        metrics_port=args.metrics_port, otlp_endpoint=otlp_endpoint,
+    )  # fmt: skip
+    t_start = time.perf_counter()
+    server = demo.server()
+    metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    say(f"starting SGLang {release}'s server (about a minute on a CPU); its log: {server.log_path}")
+    with server:
+        say(f"serving at {server.url}; hicache-obs /metrics at {metrics_url}")
+        try:
+            with _progress(args.steps, enabled=not args.json and sys.stderr.isatty()) as advance:
+                turns = demo.serve(server, on_request=advance)
+            data = sd.check_data(server, turns)
+            demo.settle(server)
+        except OSError as exc:  # the server died or refused: say where its log is
+            raise sd.stopped_error(server, exc) from None
+        summary = _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint)
+        summary["wall_seconds"] = time.perf_counter() - t_start
+        if args.json:
+            print(json.dumps(summary, indent=2), flush=True)
+        else:
+            _print_server_summary(summary)
+        if args.serve:
+            try:
+                _serve(metrics_url, quiet=args.json)
+            except KeyboardInterrupt:
+                pass
+    return EXIT_OK
+
+
+def _server_summary(
+    args: argparse.Namespace, release: str, out: Path, server: Any, turns: list[Any], data: dict[str, Any],
+    metrics_url: str, otlp_endpoint: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The server demo's summary, from its rank folders (read while the idle server keeps them open)."""
+    from hicache_obs.exporters.chrome_trace import write_chrome_trace
+
+    from ..events.replay import replay
+    from ..integrations.sglang.server_demo import MODEL_KINDS
+    from ._summary import transfer_totals
+
+    res = replay(out, audit=True)
+    trace = out / TRACE_FILE
+    write_chrome_trace(res.events, trace)
+    violations: dict[str, dict[str, int]] = {}
+    for f in res.findings or []:
+        by_pool = violations.setdefault(f.rule, {})
+        by_pool[f.pool] = by_pool.get(f.pool, 0) + 1
+    return {
+        "steps": args.steps,
+        "engine": "sglang",
+        "sglang_release": release,
+        "seed": args.seed,
+        "runtime": "cpu",
+        "model": args.model,
+        "served_model": MODEL_KINDS[args.model],
+        "io_backend": args.io_backend,
+        "layout": args.layout,
+        "write_policy": args.write_policy,
+        "fault": None,
+        "events": res.n_events,
+        "ranks": res.ranks,
+        **transfer_totals(res.events).to_dict(),
+        "requests": len(turns),
+        **data,
+        "violations": violations,
+        "out": str(out),
+        "files": {
+            "events": [str(p) for p in sorted(out.glob("rank-*/events*.jsonl"))],
+            "trace": str(trace),
+            "server_log": str(server.log_path),
+        },
+        "metrics_url": metrics_url,
+        "otlp_endpoint": otlp_endpoint,
+    }
+
+
+def _print_server_summary(s: dict[str, Any]) -> None:
+    con = console()
+    con.print(
+        f"[bold]hicache-obs demo[/]: SGLang {s['sglang_release']}'s server, {s['served_model']} ({s['model']}), "
+        f"{s['requests']} requests, {s['io_backend']} / {s['layout']} / {s['write_policy']}"
+    )
+    ops = s["operations"]
+    con.print(f"  transfers: {ops['d2h']} writes (d2h), {ops['h2d']} loads (h2d), failed {s['failed_operations']}")
+    con.print(
+        f"  prompt tokens from host: {s['host_hit_tokens']}, from device: {s['device_hit_tokens']}, "
+        f"of {s['prompt_tokens']}"
+    )
+    intact = "[green]yes[/]" if s["data_intact"] else f"[red]no[/] ({s['mismatched_requests']} differ)"
+    con.print(f"  host-served answers equal to a recompute: {intact} ({s['checked_requests']} checked)")
+    if s["violations"]:
+        con.print(f"  [red]audit findings[/]: {s['violations']}")
+    else:
+        con.print("  audit: [green]no findings[/]")
+    con.print(f"  {s['events']} events in {escape_text(s['out'], markup=False)}/ (ranks {s['ranks']}); trace: {s['files']['trace']}")
 
 
 def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:

@@ -4,12 +4,17 @@ A uniquely named module (not conftest) so that the test files can import it."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import re
 import shutil
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -91,3 +96,56 @@ def require_binary(name: str, env: str) -> str:
             pytest.fail(f"{msg} and {env}=1")
         pytest.skip(msg)
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_prometheus(exe: str, folder: Path, target: str, job: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Prometheus scraping ``target`` every second as ``job``, with the shipped alert rules;
+    returns the process, its URL and its log file."""
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(DASHBOARDS / "alerts.yml")],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    log_file = folder / "prometheus.log"
+    for _ in range(3):  # the port may be taken between probing and binding
+        port = free_port()
+        with log_file.open("wb") as log:
+            proc = subprocess.Popen(
+                [
+                    exe,
+                    f"--config.file={folder / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={folder / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as resp:
+                    if resp.status == 200:
+                        return proc, url, log_file
+            time.sleep(0.1)
+        stop_process(proc)
+    pytest.fail(f"prometheus did not become ready:\n{log_file.read_text()[-4000:]}")
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -13,11 +13,8 @@ Skipped where ``prometheus`` is not installed, unless ``HICACHE_REQUIRE_PROMETHE
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -29,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dashboard_checks import DASHBOARDS, committed_dashboards, panel_targets, require_binary
+from dashboard_checks import (
+    committed_dashboards,
+    panel_targets,
+    require_binary,
+    start_prometheus,
+    stop_process,
+)
 
 from hicache_obs.core.spec import ModelSpec
 from hicache_obs.events.audit import Auditor
@@ -104,12 +107,6 @@ class Live:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _workload(c: Any, stop: threading.Event, stats: dict[str, int]) -> None:
     wl = Workload(c, seed=0, fault=FAULT)
     while not stop.is_set():
@@ -124,50 +121,6 @@ def _workload(c: Any, stop: threading.Event, stats: dict[str, int]) -> None:
             stats["exhausted"] = stats.get("exhausted", 0) + 1
         time.sleep(0.005)
     wl.finish()
-
-
-def _start_prometheus(exe: str, folder: Path, target: str) -> tuple[subprocess.Popen[bytes], str, Path]:
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(DASHBOARDS / "alerts.yml")],
-        "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": [target]}]}],
-    }
-    (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
-    log_file = folder / "prometheus.log"
-    for _ in range(3):  # the port may be taken between probing and binding
-        port = _free_port()
-        with log_file.open("wb") as log:
-            proc = subprocess.Popen(
-                [
-                    exe,
-                    f"--config.file={folder / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={folder / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as resp:
-                    if resp.status == 200:
-                        return proc, url, log_file
-            time.sleep(0.1)
-        _stop(proc)
-    pytest.fail(f"prometheus did not become ready:\n{log_file.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +139,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     worker.start()
     proc = None
     try:
-        proc, url, log_file = _start_prometheus(exe, tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{port}")
+        proc, url, log_file = start_prometheus(exe, tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{port}", JOB)
         lv = Live(url=url, instance=f"127.0.0.1:{port}", log_file=log_file, stats=stats)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # enough scrapes for every rate() to have two samples and more
@@ -203,7 +156,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         stop.set()
         worker.join(30)
         if proc is not None:
-            _stop(proc)
+            stop_process(proc)
         server.stop()
         c.log.close()
 

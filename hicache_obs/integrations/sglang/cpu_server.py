@@ -25,6 +25,11 @@ registration                        runtime; on a CPU the memory is ordinary and
 short convolution (LFM2)            ``causal_conv1d_fn``/``causal_conv1d_update`` are Triton
                                     kernels off CUDA: torch implementations
                                     (:mod:`.cpu_conv`), checked against a plain convolution
+``torch_native`` sliding-window     SGLang's ``torch_native`` backend reads a sliding-window
+reads (Mellum, Laguna)              layer's SWA buffer with full-pool slots; its
+                                    ``forward_extend``/``forward_decode`` translate them
+                                    first for such layers, as the AMX backend does
+                                    (:mod:`.cpu_swa`)
 ==================================  =====================================================
 
 The boot folder ``_cpu_boot/`` holds a ``sitecustomize`` that calls :func:`install` in
@@ -61,6 +66,7 @@ STAND_INS = (
     ("torch.cuda.cudart host registration", "pinned-memory registration is a successful no-op"),
     ("torch.cpu.Stream.synchronize", "the transfer engine's error path calls it"),
     ("causal_conv1d_fn / causal_conv1d_update", "torch short convolution for LFM2 (Triton off CUDA)"),
+    ("TorchNativeAttnBackend sliding-window reads", "SWA layers read req_to_token translated full -> SWA"),
 )
 """Every stand-in :func:`install` puts in place, with why; all other code is SGLang's."""
 
@@ -398,6 +404,10 @@ def install() -> None:
 
         for name in conv_modules:  # the Triton module (lfm2.py imports from it too) and SGLang's wrappers
             _AFTER[name] = conv_patch
+        from .cpu_swa import TARGET_MODULE as swa_module
+        from .cpu_swa import patch_module as swa_patch
+
+        _AFTER[swa_module] = swa_patch
         for name in _CONTROLLERS:
             _AFTER[name] = _register_after_init
         if not any(isinstance(f, _AfterImport) for f in sys.meta_path):

@@ -1,6 +1,6 @@
 """SGLang's real HiCache controller behind the controller API the demo workload drives.
 
-``hicache-obs demo --engine sglang`` runs :class:`~hicache_obs.workload.Workload`
+``hicache-obs demo --engine sglang-controller`` runs :class:`~hicache_obs.workload.Workload`
 unchanged on SGLang's own pools and controller (built on this machine's CPU, or with
 ``--runtime cuda`` on its GPU, by
 :func:`~hicache_obs.integrations.sglang.testing.build_controller`), instrumented by
@@ -125,7 +125,7 @@ def require_sglang() -> str:
     release = sglang_version()
     if release is None:
         raise IntegrationError(
-            f"--engine sglang: SGLang is not installed for {sys.executable} "
+            f"--engine sglang-controller: SGLang is not installed for {sys.executable} "
             "(make sglang builds the tested releases in .sglang/<release>/)"
         )
     return release

@@ -49,6 +49,7 @@ __all__ = [
 MODELS = {
     "llama": "KV only: a 2-layer Llama",
     "lfm2": "hybrid: an LFM2 with short-convolution layers (state in SGLang's Mamba pool) and attention layers",
+    "mellum": "hybrid SWA: a Mellum with sliding-window layers (KV in SGLang's SWA pool) and full-attention layers",
 }
 """The tiny models :func:`make_model` writes."""
 
@@ -94,6 +95,18 @@ def make_model(kind: str, folder: str | os.PathLike[str], *, seed: int = 0, init
         from transformers import LlamaConfig
 
         config: Any = LlamaConfig(num_hidden_layers=2, **common)
+    elif kind == "mellum":
+        from transformers import MellumConfig
+
+        # dense MLPs (no MoE kernels), a window far shorter than the conversations' documents
+        config = MellumConfig(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            mlp_layer_types=["dense"] * 4,
+            sliding_window=64,
+            head_dim=16,
+            **common,
+        )
     else:
         from transformers import Lfm2Config
 
@@ -166,6 +179,8 @@ class SGLangServer:
     """Run under ``hicache-obs instrument --out`` this folder (None: not instrumented)."""
     metrics_port: int | None = None
     """``hicache-obs instrument --metrics-port``: rank N serves on this port + N."""
+    otlp_endpoint: str | None = None
+    """``hicache-obs instrument --otlp-endpoint``: where the spans go."""
     fault_file: Path | None = None
     """While this file exists, loads copy nothing (:data:`.cpu_server.FAULT_ENV`)."""
     env: dict[str, str] = field(default_factory=dict)
@@ -211,6 +226,8 @@ class SGLangServer:
         front = [self.python, "-m", "hicache_obs", "instrument", "--out", str(self.instrument_out)]
         if self.metrics_port is not None:
             front += ["--metrics-port", str(self.metrics_port)]
+        if self.otlp_endpoint is not None:
+            front += ["--otlp-endpoint", self.otlp_endpoint]
         return [*front, "--", *server]
 
     def start(self) -> SGLangServer:
@@ -405,11 +422,14 @@ class Conversations:
         rng = random.Random(self.seed)
         self.history = [[rng.randrange(3, _VOCAB) for _ in range(self.doc_tokens)] for _ in range(self.docs)]
 
-    def turn(self, server: SGLangServer, number: int) -> list[Turn]:
-        """Turn ``number`` of every conversation (the same number asks the same questions)."""
-        out = []
+    def turn(self, server: SGLangServer, number: int, limit: int | None = None) -> list[Turn]:
+        """Turn ``number`` of every conversation (the same number asks the same questions);
+        at most ``limit`` requests."""
+        out: list[Turn] = []
         for d, history in enumerate(self.history):
             for a in range(self.asks):
+                if limit is not None and len(out) >= limit:
+                    return out
                 ask = random.Random(f"{self.seed}/{number}/{d}/{a}")
                 ids = history + [ask.randrange(3, _VOCAB) for _ in range(self.turn_tokens)]
                 t = _turn(ids, server.generate(ids, self.max_new_tokens))

@@ -1,5 +1,5 @@
 """SGLang's real controllers on a GPU: ``build_controller(device="cuda")`` and
-``hicache-obs demo --engine sglang --runtime cuda``.
+``hicache-obs demo --engine sglang-controller --runtime cuda``.
 
 A process is prepared for one device (the CPU harness's torch function mode would
 turn CUDA tensors into stand-ins), and the rest of this suite prepares the CPU one:
@@ -66,7 +66,7 @@ def _python(code: str) -> str:
 
 
 def _demo_on_gpu(out: Path, *options: str) -> dict[str, Any]:
-    argv = ["demo", "--engine", "sglang", "--runtime", "cuda", "--steps", STEPS, "--json", "--out", str(out), *options]
+    argv = ["demo", "--engine", "sglang-controller", "--runtime", "cuda", "--steps", STEPS, "--json", "--out", str(out), *options]
     code = f"import sys; from hicache_obs.cli import main; rc = main({argv!r}); sys.stdout.flush(); assert rc == 0, rc"
     s: dict[str, Any] = json.loads(_python(code))
     assert s["runtime"] == "cuda"
@@ -144,7 +144,7 @@ def test_the_cpu_harness_copies_with_the_stand_ins() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = _run("-m", "hicache_obs", "demo", "--engine", "sglang", "--runtime", "cuda", "--out", str(out))
+    proc = _run("-m", "hicache_obs", "demo", "--engine", "sglang-controller", "--runtime", "cuda", "--out", str(out))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "hicache-obs: error: --runtime cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
     assert not out.exists()
@@ -168,7 +168,7 @@ def _demo_json(capsys: pytest.CaptureFixture[str], out: Path, *options: str) -> 
     from hicache_obs.cli import main
 
     capsys.readouterr()
-    code = main(["demo", "--engine", "sglang", "--steps", STEPS, "--json", "--out", str(out), *options])
+    code = main(["demo", "--engine", "sglang-controller", "--steps", STEPS, "--json", "--out", str(out), *options])
     stdout, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(stdout)  # type: ignore[no-any-return]

@@ -1,4 +1,4 @@
-"""``hicache-obs demo --engine sglang``: the demo workload through SGLang's real controller.
+"""``hicache-obs demo --engine sglang-controller``: the demo workload through SGLang's real controller.
 
 The runs on SGLang need a release (``needs_sglang``); the refusals and the missing-SGLang
 error are checked everywhere (they happen before SGLang is imported).
@@ -78,14 +78,14 @@ def test_missing_sglang_is_one_line_exit_2(tmp_path: Path) -> None:
         pytest.skip("no Python without SGLang here (.venv is the one the repository builds)")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [python, "-m", "hicache_obs", "demo", "--engine", "sglang", "--out", str(out)],
+        [python, "-m", "hicache_obs", "demo", "--engine", "sglang-controller", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
-    assert proc.stderr.startswith("hicache-obs: error: --engine sglang: SGLang is not installed")
+    assert proc.stderr.startswith("hicache-obs: error: --engine sglang-controller: SGLang is not installed")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert not out.exists()  # refused before --out is touched
 
@@ -111,7 +111,7 @@ def test_inapplicable_options_are_refused(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, option: str, value: str, says: str
 ) -> None:
     out = tmp_path / "out"
-    code, stdout, err = _demo(capsys, "--engine", "sglang", option, value, "--out", str(out))
+    code, stdout, err = _demo(capsys, "--engine", "sglang-controller", option, value, "--out", str(out))
     assert code == 2 and stdout == ""
     assert err.startswith(f"hicache-obs: error: {option} {value}: ") and err.count("\n") == 1
     assert says in err
@@ -124,7 +124,7 @@ def _serve(python: str, out: Path, *extra: str) -> tuple[dict[str, Any], str, in
     exit code after Ctrl-C)."""
     err_path = out.parent / "stderr.txt"
     with err_path.open("w") as err:
-        argv = ["demo", "--engine", "sglang", "--steps", STEPS, "--json", "--serve", "--out", str(out), *extra]
+        argv = ["demo", "--engine", "sglang-controller", "--steps", STEPS, "--json", "--serve", "--out", str(out), *extra]
         proc = subprocess.Popen(
             [python, "-m", "hicache_obs", *argv],
             stdout=subprocess.PIPE,
@@ -202,7 +202,7 @@ def test_sglang_0_5_10_direct_leaves_mamba_indices_unrecorded(
 ) -> None:
     out = tmp_path / "out"
     code, stdout, err = _demo(
-        capsys, "--engine", "sglang", "--io-backend", "direct", "--steps", STEPS, "--json", "--out", str(out)
+        capsys, "--engine", "sglang-controller", "--io-backend", "direct", "--steps", STEPS, "--json", "--out", str(out)
     )
     assert code == 0, err
     s = json.loads(stdout)
@@ -220,7 +220,7 @@ def test_sglang_0_5_10_kernel_copies_fail_and_the_run_goes_on(
 ) -> None:
     # SGLang bug #24121: 0.5.10 never moves the Mamba host indices to the device; the kernel refuses them
     out = tmp_path / "out"
-    code, stdout, err = _demo(capsys, "--engine", "sglang", "--steps", STEPS, "--json", "--out", str(out))
+    code, stdout, err = _demo(capsys, "--engine", "sglang-controller", "--steps", STEPS, "--json", "--out", str(out))
     assert code == 0, err
     assert "Traceback" not in err
     s = json.loads(stdout)
@@ -239,7 +239,7 @@ def test_sglang_0_5_10_kernel_copies_fail_and_the_run_goes_on(
 )
 def test_a_layout_sglang_refuses_is_one_line_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "out"
-    code, stdout, err = _demo(capsys, "--engine", "sglang", "--layout", "layer_first", "--out", str(out))
+    code, stdout, err = _demo(capsys, "--engine", "sglang-controller", "--layout", "layer_first", "--out", str(out))
     assert code == 2 and stdout == ""
     assert err.startswith(f"hicache-obs: error: SGLang {RELEASE} refuses ") and err.count("\n") == 1
     assert "--layout layer_first" in err

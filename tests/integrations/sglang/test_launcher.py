@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 import socket
 import subprocess
@@ -11,15 +10,10 @@ import textwrap
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from otlp_receiver import OtlpReceiver, span_attributes
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import release_tuple
 
@@ -162,45 +156,8 @@ ONE_RANK = textwrap.dedent(
 )
 
 
-class _Traces(BaseHTTPRequestHandler):
-    server: _OtlpReceiver
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        req = ExportTraceServiceRequest()
-        req.ParseFromString(body)
-        with self.server.lock:
-            self.server.paths.append(self.path)
-            self.server.spans.extend(sp for rs in req.resource_spans for ss in rs.scope_spans for sp in ss.spans)
-        out = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-class _OtlpReceiver(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Traces)
-        self.lock = threading.Lock()
-        self.paths: list[str] = []
-        self.spans: list[Any] = []
-
-
-def _attrs(span: Any) -> dict[str, Any]:
-    return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
-
-
 def test_launcher_sends_spans_to_otlp(tmp_path: Path) -> None:
-    receiver = _OtlpReceiver()
+    receiver = OtlpReceiver()
     t = threading.Thread(target=receiver.serve_forever, daemon=True)
     t.start()
     script = tmp_path / "one_rank.py"
@@ -218,9 +175,9 @@ def test_launcher_sends_spans_to_otlp(tmp_path: Path) -> None:
         receiver.server_close()
     assert r.returncode == 0, r.stderr
     assert set(receiver.paths) == {"/v1/traces"}
-    writes = [s for s in receiver.spans if _attrs(s).get("hicache.direction") == "d2h"]
-    assert len(writes) == 3, [(s.name, _attrs(s)) for s in receiver.spans]
-    unrecorded = [_attrs(s).get("hicache.unrecorded_indices", 0) for s in writes]
+    writes = [s for s in receiver.spans if span_attributes(s).get("hicache.direction") == "d2h"]
+    assert len(writes) == 3, [(s.name, span_attributes(s)) for s in receiver.spans]
+    unrecorded = [span_attributes(s).get("hicache.unrecorded_indices", 0) for s in writes]
     if release_tuple() >= (0, 5, 11):
         assert unrecorded == [0, 0, 0]
     else:  # the Mamba indices of every write went unrecorded on the side stream
