@@ -10,8 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang_env import release_tuple
 
 from hicache_obs.integrations.sglang import cpu_swa
+
+# the CPU server's stand-ins follow 0.5.23's code: the release whose real server the tests run
+SERVER_RELEASE = pytest.mark.skipif(
+    release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
+)
 
 HEADS, DIM, FULL, SWA = 2, 8, 40, 12
 
@@ -65,6 +71,7 @@ def decode(module: types.ModuleType, table: torch.Tensor, layer_id: int, pool: P
 
 
 @pytest.mark.needs_sglang
+@SERVER_RELEASE
 def test_sliding_window_layer_reads_swa_slots() -> None:
     from hicache_obs.integrations.sglang.testing import prepare
 
