@@ -19,8 +19,14 @@ Everything the adapter reports it observed at a boundary of the real controller:
 - ``ack_write_queue`` / ``ack_load_queue`` become list subclasses: an ack taken out
   (``pop``, ``del``) is a ``TransferCompleted``; ``clear()`` (a reset) fails what was in
   flight;
-- the device and host allocators' ``alloc`` / ``free`` give ``SlotsAllocated`` /
-  ``SlotsFreed`` where the index values can be read without a device sync.
+- every allocator method that changes a free list itself (``alloc``, ``_do_alloc``,
+  ``alloc_extend``, ``alloc_decode``, ``free``, ``free_page_ids``, ``_release_page_ids``,
+  ``clear``, ``restore_state``, the merges of freed pages), on each device allocator and
+  host pool, gives ``SlotsAllocated`` / ``SlotsFreed`` of the slots that really left or
+  rejoined its free lists in the call (:class:`_FreeList`): a Mamba allocation group's
+  batch when it is taken, a deferred free when its group ends, a page allocator's whole
+  pages, a ``clear()``'s every slot in use. Where the free lists are in device memory (a
+  GPU) the tier is left out instead (``unseen_slot_tiers``).
 
 Features are detected on the instance, never by version string; a controller that
 lacks one of the required boundaries is refused before anything is changed.
@@ -341,15 +347,44 @@ def _capacity(obj: Any, tier: str) -> tuple[int, int]:
     return (size + 1 if tier == "device" else size), page
 
 
+#: An allocator's free lists, as SGLang's allocators name them: the list allocations take
+#: from first, then the lists frees wait in (a list of tensors has its allocator's count of
+#: what it holds), by whether they hold pages or slots.
+_FREE_LIST_NAMES: tuple[tuple[bool, tuple[tuple[str, str | None], ...]], ...] = (
+    (True, (("free_pages", None), ("release_pages", None), ("staged_pages", "num_staged_pages"))),
+    (False, (("free_slots", None), ("release_slots", "num_release_slots"))),
+)
+
+#: The allocator methods that change a free list themselves (the others reach one through
+#: these), by what their call says of the slots: ``out`` the slots it returns, ``take`` none
+#: (an extend or decode allocation returns tokens, some in pages it had already), ``slots``
+#: / ``pages`` the slots or pages it is given; ``reset`` the free lists are compared.
+_SLOT_CALLS: dict[str, str] = {
+    "alloc": "out",
+    "_do_alloc": "out",
+    "alloc_extend": "take",
+    "alloc_decode": "take",
+    "free": "slots",
+    "free_page_ids": "pages",
+    "_release_page_ids": "pages",
+    "clear": "reset",
+    "restore_state": "reset",
+    "merge_and_sort_free": "reset",
+    "_merge_release_slots": "reset",
+}
+
+_RLOCK = type(threading.RLock())
+_NO_RUNS: tuple[tuple[int, int], ...] = ()
+
+
 def _free_lists(obj: Any) -> tuple[bool, list[Any]] | None:
     """An allocator's free lists: (whether they hold pages, their parts: tensors or lists) for
-    the lists it keeps (``free_pages``/``release_pages``, else ``free_slots``/``release_slots``);
-    None if it keeps none we know."""
-    for lists, is_pages in ((("free_pages", "release_pages"), True), (("free_slots", "release_slots"), False)):
-        if not hasattr(obj, lists[0]):
+    the lists it keeps (:data:`_FREE_LIST_NAMES`); None if it keeps none we know."""
+    for is_pages, names in _FREE_LIST_NAMES:
+        if not hasattr(obj, names[0][0]):
             continue
         parts: list[Any] = []
-        for name in lists:
+        for name, _ in names:
             v = getattr(obj, name, None)
             parts.extend(v if isinstance(v, (list, tuple)) and v and isinstance(v[0], torch.Tensor) else [v])
         return is_pages, [p for p in parts if p is not None]
@@ -363,22 +398,166 @@ def _free_lists_on_device(obj: Any) -> bool:
     return found is not None and any(isinstance(p, torch.Tensor) and describe.host_values(p) is None for p in found[1])
 
 
-def _free_values(obj: Any) -> list[int] | None:
-    """Every slot on an allocator's free lists, or None if it keeps none we know."""
-    found = _free_lists(obj)
-    if found is None:
-        return None
-    is_pages, parts = found
-    page = int(getattr(obj, "page_size", 1) or 1)
-    out: list[int] = []
-    for part in parts:
-        with NO_TORCH_FUNCTION():
-            vals = part.cpu().tolist() if isinstance(part, torch.Tensor) else list(part)
-        if is_pages and page > 1:
-            out.extend(p * page + k for p in vals for k in range(page))
+def _free_lists_elsewhere(obj: Any) -> bool:
+    """Whether an allocator names a free list but holds none (``None``): a composite that
+    hands out slots from allocators of its own (SGLang's SWA allocator, whose lists are its
+    full and SWA allocators')."""
+    return any(hasattr(obj, names[0][0]) and getattr(obj, names[0][0]) is None for _, names in _FREE_LIST_NAMES)
+
+
+def _values(part: Any) -> Any:
+    """A free list part's values as a 1-D int64 array (a tensor in host memory, or a list)."""
+    if isinstance(part, torch.Tensor):
+        values = describe.host_values(part)
+        if values is None:
+            raise IntegrationError("an allocator's free list is in device memory: its slots cannot be read")
+        return values
+    return np.asarray(part, dtype=np.int64).reshape(-1)
+
+
+class _FreeList:
+    """One allocator's free lists, read around each call that can change them: what the call
+    took off them or put back is what its events say, whatever the call returned.
+
+    SGLang's allocators rebind their free lists (a slice when they allocate, a concatenation
+    when they free) and only append to a list of freed parts, so a read keeps references and
+    lengths, never values: :meth:`read` is a few attribute reads. :meth:`settle` compares two
+    reads: where the free count did not change and nothing was rebound, the call changed
+    nothing (an allocation out of a Mamba group's batch, a free deferred to its group's end);
+    else the call's own evidence is taken where its count is what left or rejoined the lists
+    (an allocation's result, a free's slots, or the pages of a page allocator's free), or
+    what the front of the first list lost (it is a slice of what it was); else the free
+    lists before and after are compared slot by slot (a ``clear()``, a merge).
+
+    Calls are serialized on the allocator's own reentrant lock where it has one (SGLang's
+    host pools), else on one of the watch's, so that a read before and after a call sees
+    that call only; :attr:`depth` marks the outermost of nested calls, the one reported."""
+
+    __slots__ = ("depth", "head", "lock", "obj", "page", "rest", "units")
+
+    def __init__(self, obj: Any, capacity: int) -> None:
+        found = next(((pages, names) for pages, names in _FREE_LIST_NAMES if hasattr(obj, names[0][0])), None)
+        if found is None:
+            raise IntegrationError(
+                f"{type(obj).__name__} keeps no free list the adapter knows (free_pages or free_slots): "
+                "its slots in use cannot be read"
+            )
+        is_pages, names = found
+        self.obj = obj
+        self.page = int(getattr(obj, "page_size", 1) or 1) if is_pages else 1
+        self.units = -(-capacity // self.page)  # pages (or slots) the allocator can hold
+        self.head = names[0][0]
+        self.rest = tuple((name, counter) for name, counter in names[1:] if hasattr(obj, name))  # set up front
+        lock = getattr(obj, "lock", None)
+        self.lock: Any = lock if isinstance(lock, _RLOCK) else threading.RLock()
+        self.depth = 0
+
+    def read(self) -> tuple[Any, tuple[Any, ...], int]:
+        """(the first list, the others: a tensor, ``(list, its length)`` or None, how many
+        pages or slots they hold). Read with torch function dispatch off."""
+        obj = self.obj
+        head = getattr(obj, self.head)
+        if isinstance(head, torch.Tensor):
+            n = head.numel()  # the lists are 1-D; numel() is a C call, len() a Python method
         else:
-            out.extend(vals)
-    return out
+            head = tuple(head or ())  # a list of ints changes in place: its values are kept
+            n = len(head)
+        parts: list[Any] = []
+        for name, counter in self.rest:
+            v = getattr(obj, name, None)
+            if isinstance(v, list):
+                held = getattr(obj, counter, None) if counter else None
+                n += held if isinstance(held, int) else sum(x.numel() for x in v)
+                parts.append((v, len(v)))
+            else:
+                if v is not None:
+                    n += v.numel()
+                parts.append(v)
+        return head, tuple(parts), n
+
+    @staticmethod
+    def _same_rest(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+        """Whether two reads' other lists are the same objects (a list of parts: as long)."""
+        for x, y in zip(a, b):
+            if x is not y and not (type(x) is type(y) is tuple and x[0] is y[0] and x[1] == y[1]):
+                return False
+        return True
+
+    @staticmethod
+    def _front_taken(was: Any, now: Any, n: int) -> bool:
+        """Whether ``now`` is ``was`` without its first ``n`` values: a view of the same memory
+        (``was`` is alive, so nothing else can be there) or, all of it taken, empty."""
+        if not (isinstance(was, torch.Tensor) and isinstance(now, torch.Tensor)) or was.numel() - now.numel() != n:
+            return False
+        if not now.numel():
+            return True
+        step = was.element_size()
+        return now.stride() == was.stride() == (1,) and now.data_ptr() == was.data_ptr() + step * n
+
+    def mask(self, state: tuple[Any, tuple[Any, ...], int]) -> np.ndarray:
+        """Which pages (or slots) the free lists of ``state`` hold."""
+        free = np.zeros(self.units, dtype=bool)
+        head, rest, _ = state
+        parts = [head]
+        for part in rest:
+            if type(part) is tuple:
+                parts.extend(part[0][: part[1]])
+            elif part is not None:
+                parts.append(part)
+        for part in parts:
+            values = _values(part)
+            free[values[(values >= 0) & (values < self.units)]] = True
+        return free
+
+    def slot_runs(self, units: Any) -> Any:
+        """Slot runs of an array of pages (or slots)."""
+        runs = runs_of(np.ascontiguousarray(units, dtype=np.int64))
+        p = self.page
+        return runs if p == 1 else tuple((s * p, n * p) for s, n in runs)
+
+    def _given(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The slots a free's index tensors name, as its allocator frees them (a page
+        allocator frees each page of the slots it is given once), or None."""
+        given = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not given:
+            return None
+        p = self.page
+        if len(given) == 1 and (p == 1 or kind == "slots"):
+            runs = describe.host_runs(given[0])
+            if runs is not None and (p == 1 or all(s % p == 0 and n % p == 0 for s, n in runs)):
+                return runs  # slots, or whole pages (the caller checks they are as many as freed)
+        values = np.concatenate([_values(t).reshape(-1) for t in given])
+        if kind == "slots":
+            values = np.unique(values // p)
+        return self.slot_runs(values)
+
+    def settle(
+        self,
+        before: tuple[Any, tuple[Any, ...], int],
+        after: tuple[Any, tuple[Any, ...], int],
+        kind: str,
+        out: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Any]:
+        """(slots taken off the free lists, slots put back) between two reads."""
+        delta = after[2] - before[2]
+        if delta == 0:
+            if before[0] is after[0] and self._same_rest(before[1], after[1]):
+                return _NO_RUNS, _NO_RUNS  # nothing changed
+        elif delta < 0:
+            if kind == "out" and isinstance(out, torch.Tensor):
+                runs = describe.host_runs(out)
+                if runs is not None and sum(n for _, n in runs) == -delta * self.page:
+                    return runs, _NO_RUNS
+            if self._front_taken(before[0], after[0], -delta) and self._same_rest(before[1], after[1]):
+                return self.slot_runs(_values(before[0])[:-delta]), _NO_RUNS  # in the order taken
+        elif kind in ("slots", "pages"):
+            runs = self._given(kind, args, kwargs)
+            if runs is not None and sum(n for _, n in runs) == delta * self.page:
+                return _NO_RUNS, runs
+        was, now = self.mask(before), self.mask(after)
+        return self.slot_runs(np.flatnonzero(was & ~now)), self.slot_runs(np.flatnonzero(now & ~was))
 
 
 # ------------------------------------------------------------- instrumentation
@@ -399,6 +578,7 @@ class Instrumentation:
         self._stream_names: dict[int, str] = {}
         self._slot_bytes: dict[str, int] = {}
         self._unseen: set[tuple[str, str]] = set()
+        self._watches: dict[tuple[str, str], _FreeList] = {}  # (pool, tier) -> its allocator's free lists
         self._detached = False
         self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
@@ -432,8 +612,10 @@ class Instrumentation:
     def unseen_slot_tiers(self) -> frozenset[tuple[str, str]]:
         """The ``(pool, tier)`` whose slots this instrumentation does not record: a device
         tier whose allocator keeps its free lists on a GPU (reading an index tensor there
-        would sync). No ``PoolCreated``, ``SlotsAllocated`` or ``SlotsFreed`` is reported
-        for them, so the slot rules and the occupancy metrics leave them out."""
+        would sync), or keeps none itself (a composite handing out its sub-allocators'
+        slots, which the adapter cannot tell apart). No ``PoolCreated``, ``SlotsAllocated``
+        or ``SlotsFreed`` is reported for them, so the slot rules and the occupancy
+        metrics leave them out."""
         return frozenset(self._unseen)
 
     def detach(self) -> None:
@@ -501,10 +683,14 @@ class Instrumentation:
             name = p.name
             self._slot_bytes[name] = int(getattr(p.host, "size_per_token", 0) or 0)
             for obj, tier in ((p.device, "device"), (p.host, "host")):
-                if tier == "device" and _free_lists_on_device(obj):
+                if tier == "device" and (_free_lists_on_device(obj) or _free_lists_elsewhere(obj)):
                     self._unseen.add((name, tier))
                     continue
                 cap, page = _capacity(obj, tier)
+                try:
+                    watch = self._watches[(name, tier)] = _FreeList(obj, cap)
+                except IntegrationError as exc:
+                    raise IntegrationError(f"pool {name!r} ({tier}): {exc}") from None
                 self._emit(
                     PoolCreated,
                     pool=name,
@@ -514,7 +700,7 @@ class Instrumentation:
                     slot_bytes=self._slot_bytes[name],
                     layout=shape.layout if tier == "host" else "layer_first",
                 )
-                self._adopt_allocations(obj, name, tier, cap)
+                self._adopt_allocations(watch, name, tier)
         # queues and acks
         # each hook guards itself (an error is counted, never raised into SGLang): a queue's
         # append is one call into the adapter
@@ -535,28 +721,36 @@ class Instrumentation:
         for p in shape.pools:
             for meth in shape.copy.values():
                 self._wrap(p.host, meth, self._copy_wrapper(p.name, p.host))
-            self._wrap(p.host, "alloc", self._alloc_wrapper(p.name, "host"))
-            self._wrap(p.host, "free", self._free_wrapper(p.name, "host"))
-            if (p.name, "device") in self._unseen:
-                continue
-            for obj, alloc_attr, free_attr in p.device_hooks:
-                self._wrap(obj, alloc_attr, self._alloc_wrapper(p.name, "device"))
-                self._wrap(obj, free_attr, self._free_wrapper(p.name, "device"))
+            self._watch_slots(p.name, "host", [(p.host, "alloc", "free")])
+            if (p.name, "device") not in self._unseen:
+                self._watch_slots(p.name, "device", p.device_hooks)
 
-    def _adopt_allocations(self, obj: Any, pool: str, tier: str, capacity: int) -> None:
+    def _watch_slots(self, pool: str, tier: str, hooks: list[tuple[Any, str, str]]) -> None:
+        """Hook every call that changes the free lists of ``pool``'s allocator on ``tier``
+        (:data:`_SLOT_CALLS`, those it has), and the other objects' allocation and free
+        attributes in ``hooks`` (a host pool group entry's bound methods of it)."""
+        watch = self._watches[(pool, tier)]
+        allocator = watch.obj
+        alloc, free = self._alloc_wrapper, self._free_wrapper
+        make = {"out": alloc, "take": alloc, "slots": free, "pages": free, "reset": self._slots_wrapper}
+        for name, kind in _SLOT_CALLS.items():
+            if callable(getattr(allocator, name, None)):
+                self._wrap_slots(allocator, name, make[kind](pool, tier), watch)
+        for obj, alloc_attr, free_attr in hooks:
+            if obj is not allocator:
+                self._wrap_slots(obj, alloc_attr, self._alloc_wrapper(pool, tier), watch)
+                self._wrap_slots(obj, free_attr, self._free_wrapper(pool, tier), watch)
+
+    def _adopt_allocations(self, watch: _FreeList, pool: str, tier: str) -> None:
         """Slots already in use when instrumenting (the padding slot, earlier requests)."""
-        free = _free_values(obj)
-        if free is None:
-            raise IntegrationError(
-                f"pool {pool!r} ({tier}, {type(obj).__name__}) keeps no free list the adapter knows "
-                "(free_pages or free_slots): its slots in use cannot be read"
-            )
-        in_use = np.ones(capacity, dtype=bool)
-        free_arr = np.asarray(free, dtype=np.int64)
-        in_use[free_arr[(free_arr >= 0) & (free_arr < capacity)]] = False
-        used = np.flatnonzero(in_use).astype(np.int64)
+        try:
+            with NO_TORCH_FUNCTION():
+                in_use = ~watch.mask(watch.read())
+        except IntegrationError as exc:
+            raise IntegrationError(f"pool {pool!r} ({tier}, {type(watch.obj).__name__}): {exc}") from None
+        used = np.flatnonzero(in_use)
         if used.size:
-            self._emit(SlotsAllocated, pool=pool, tier=tier, indices=runs_of(used))
+            self._emit(SlotsAllocated, pool=pool, tier=tier, indices=watch.slot_runs(used))
 
     def _swap_list(self, obj: Any, attr: str, observed: list[Any]) -> None:
         setattr(obj, attr, observed)
@@ -568,9 +762,34 @@ class Instrumentation:
         self._undo.append(undo)
 
     def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        self._set_hook(obj, name, make(getattr(obj, name)))
+
+    def _wrap_slots(
+        self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], watch: _FreeList
+    ) -> None:
+        """:meth:`_wrap` for a call that can change ``watch``'s free lists: the hook runs for the
+        outermost such call only (an allocation's own merge, a group's free inside its end
+        pass straight through), one call at a time (``watch.lock``)."""
+        original = getattr(obj, name)
+        hook = make(original)
+        lock = watch.lock
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                if watch.depth:
+                    return original(*args, **kwargs)
+                watch.depth = 1
+                try:
+                    return hook(*args, **kwargs)
+                finally:
+                    watch.depth = 0
+
+        call.__wrapped__ = original  # type: ignore[attr-defined]
+        self._set_hook(obj, name, call)
+
+    def _set_hook(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
         had_own = name in getattr(obj, "__dict__", {})
         original = getattr(obj, name)
-        wrapper = make(original)
         setattr(obj, name, wrapper)
 
         def undo() -> None:
@@ -731,54 +950,54 @@ class Instrumentation:
         return watched
 
     # Allocations and frees are the adapter's most frequent steps, and they run between
-    # copies, with cold caches: each is one call into the adapter, one DLPack read of the
-    # index tensor (:func:`describe.host_runs`) and the event; an empty tensor, one on a
-    # device, or one that cannot be read (counted and logged) gives no event.
-    def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        log, failed = self.log, self._failed
+    # copies, with cold caches: each is one call into the adapter, two reads of the
+    # allocator's free lists (references and counts), one DLPack read of the index tensor
+    # (:func:`describe.host_runs`) and the event. A call that left the free lists as they
+    # were gives no event; one that cannot be read is counted and logged.
+    def _slots_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A call that can change the free lists of ``pool``'s allocator on ``tier``: its
+        ``SlotsFreed`` / ``SlotsAllocated`` are the slots that really rejoined or left them
+        (:meth:`_FreeList.settle`). Installed by :meth:`_wrap_slots` (outermost calls only)."""
+        log, failed, watch = self.log, self._failed, self._watches[(pool, tier)]
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def alloc(*args: Any, **kwargs: Any) -> Any:
-                out = original(*args, **kwargs)
-                if isinstance(out, torch.Tensor):
-                    try:
-                        runs = describe.host_runs(out)
-                        if runs:
-                            log.emit(SlotsAllocated, pool=pool, tier=tier, indices=runs)
-                    except Exception:
-                        failed("record an allocation")
-                return out
+            kind = _SLOT_CALLS.get(getattr(original, "__name__", ""), "reset")
 
-            alloc.__wrapped__ = original  # type: ignore[attr-defined]
-            return alloc
+            def slots(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    with NO_TORCH_FUNCTION():
+                        before = watch.read()
+                except Exception:
+                    failed("read an allocator's free lists")
+                    return original(*args, **kwargs)
+                out = None
+                try:
+                    out = original(*args, **kwargs)
+                    return out
+                finally:  # also what a call that raised changed before it did
+                    try:
+                        with NO_TORCH_FUNCTION():
+                            taken, returned = watch.settle(before, watch.read(), kind, out, args, kwargs)
+                        if returned:
+                            log.emit(SlotsFreed, pool=pool, tier=tier, indices=returned)
+                        if taken:
+                            log.emit(SlotsAllocated, pool=pool, tier=tier, indices=taken)
+                    except Exception:
+                        failed("record the slots an allocator call took or returned")
+
+            slots.__wrapped__ = original  # type: ignore[attr-defined]
+            return slots
 
         return make
+
+    def _alloc_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """An allocation (``alloc``, ``_do_alloc``, ``alloc_extend``, ``alloc_decode``): see
+        :meth:`_slots_wrapper`."""
+        return self._slots_wrapper(pool, tier)
 
     def _free_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        log, failed = self.log, self._failed
-
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def free(indices: Any, *args: Any, **kwargs: Any) -> Any:
-                # read before the free (the allocator may keep the tensor in its free list and
-                # reuse its memory), recorded once the free returned
-                runs = None
-                if isinstance(indices, torch.Tensor):
-                    try:
-                        runs = describe.host_runs(indices)
-                    except Exception:
-                        failed("read the slots of an index tensor")
-                out = original(indices, *args, **kwargs)
-                if runs:
-                    try:
-                        log.emit(SlotsFreed, pool=pool, tier=tier, indices=runs)
-                    except Exception:
-                        failed("record a SlotsFreed event")
-                return out
-
-            free.__wrapped__ = original  # type: ignore[attr-defined]
-            return free
-
-        return make
+        """A free (``free``, ``free_page_ids``, ``_release_page_ids``): see :meth:`_slots_wrapper`."""
+        return self._slots_wrapper(pool, tier)
 
     # ------------------------------------------------------------- events
     @staticmethod
