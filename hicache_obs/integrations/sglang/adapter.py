@@ -17,8 +17,10 @@ Everything the adapter reports it observed at a boundary of the real controller:
   instrumented (calls from other code pass straight through): a ``StreamRecorded`` is
   emitted only for a record really made, for that tensor and that stream;
 - ``ack_write_queue`` / ``ack_load_queue`` become list subclasses: an ack taken out
-  (``pop``, ``del``) is a ``TransferCompleted``; ``clear()`` (a reset) fails what was in
-  flight;
+  (``pop``, ``del``) is a ``TransferCompleted``; so is an ack ``clear()`` takes whose
+  ``finish_event`` has completed (the radix tree's blocking write-back check waits for
+  each ack, then clears the queue); ``clear()`` inside the controller's ``reset()``
+  (wrapped on the instance), or of a copy still running, fails the op (cancelled);
 - every allocator method that changes a free list itself (``alloc``, ``_do_alloc``,
   ``alloc_extend``, ``alloc_decode``, ``free``, ``free_page_ids``, ``_release_page_ids``,
   ``clear``, ``restore_state``, the merges of freed pages), on each device allocator and
@@ -95,32 +97,42 @@ def _pool_name(name: Any) -> str:
 
 # ------------------------------------------------------------------- the queues
 class _OpQueue(list):  # type: ignore[type-arg]
-    """A controller's write or load queue: appends are ``OperationQueued`` (``on_append(op)``)."""
+    """A controller's write or load queue: appends are ``OperationQueued`` (``on_append(op)``);
+    the ops ``clear()`` takes go to ``on_cleared(ops)``."""
 
-    def __init__(self, items: Iterable[Any], on_append: Callable[[Any], None]) -> None:
+    def __init__(
+        self, items: Iterable[Any], on_append: Callable[[Any], None], on_cleared: Callable[[list[Any]], None]
+    ) -> None:
         super().__init__(items)
         self._on_append = on_append
+        self._on_cleared = on_cleared
 
     def append(self, op: Any) -> None:
         super().append(op)
         self._on_append(op)
 
+    def clear(self) -> None:
+        taken = list(self)
+        super().clear()
+        if taken:
+            self._on_cleared(taken)
+
 
 class _AckQueue(list):  # type: ignore[type-arg]
     """A controller's ack queue: an ack taken out is its op's completion (``on_taken(ack)``);
-    ``clear()`` cancels what it held (``on_cancelled(ack)``)."""
+    the acks ``clear()`` takes go to ``on_cleared(ack)``, in queue order."""
 
     def __init__(
         self,
         items: Iterable[Any],
         on_append: Callable[[Any], None],
         on_taken: Callable[[Any], None],
-        on_cancelled: Callable[[Any], None],
+        on_cleared: Callable[[Any], None],
     ) -> None:
         super().__init__(items)
         self._on_append = on_append
         self._on_taken = on_taken
-        self._on_cancelled = on_cancelled
+        self._on_cleared = on_cleared
 
     def append(self, ack: Any) -> None:
         super().append(ack)
@@ -145,7 +157,7 @@ class _AckQueue(list):  # type: ignore[type-arg]
         taken = list(self)
         super().clear()
         for ack in taken:
-            self._on_cancelled(ack)
+            self._on_cleared(ack)
 
 
 # ----------------------------------------------------- conversions inside a copy
@@ -579,6 +591,7 @@ class Instrumentation:
         self._slot_bytes: dict[str, int] = {}
         self._unseen: set[tuple[str, str]] = set()
         self._watches: dict[tuple[str, str], _FreeList] = {}  # (pool, tier) -> its allocator's free lists
+        self._resetting = threading.local()  # depth: inside the controller's reset() on this thread
         self._detached = False
         self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
@@ -705,15 +718,18 @@ class Instrumentation:
         # each hook guards itself (an error is counted, never raised into SGLang): a queue's
         # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
-            self._swap_list(c, attr, _OpQueue(getattr(c, attr), partial(self._queued, direction)))
+            queue = _OpQueue(getattr(c, attr), partial(self._queued, direction), partial(self._queue_cleared, direction))
+            self._swap_list(c, attr, queue)
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
             acks = _AckQueue(
                 getattr(c, attr),
                 on_append=partial(self._ack_appended, direction),
                 on_taken=partial(self._ack_taken, direction),
-                on_cancelled=partial(self._ack_cancelled, direction, "ack queue cleared (controller reset)"),
+                on_cleared=partial(self._ack_cleared, direction),
             )
             self._swap_list(c, attr, acks)
+        if callable(getattr(c, "reset", None)):
+            self._wrap(c, "reset", self._reset_wrapper)
         self._wrap(c, "start_writing", self._submission_wrapper(D2H))
         self._wrap(c, "start_loading", self._submission_wrapper(H2D))
         for name in shape.move:
@@ -999,6 +1015,30 @@ class Instrumentation:
         """A free (``free``, ``free_page_ids``, ``_release_page_ids``): see :meth:`_slots_wrapper`."""
         return self._slots_wrapper(pool, tier)
 
+    def _reset_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """The controller's ``reset()``: the acks its queues' ``clear()`` take meanwhile (on
+        this thread) are cancelled ops, whatever their copies did; so are the ops it drops
+        from its write and load queues, ended when it returns (after those acks, in the
+        order the fold reaps them)."""
+        local = self._resetting
+
+        def reset(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(local, "depth", 0)
+            if not depth:
+                local.dropped = []  # (direction, ops) its queues' clear() took
+            local.depth = depth + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.depth = depth
+                if not depth:
+                    dropped, local.dropped = local.dropped, []
+                    for direction, ops in dropped:
+                        self._end_dropped(direction, ops)
+
+        reset.__wrapped__ = original  # type: ignore[attr-defined]
+        return reset
+
     # ------------------------------------------------------------- events
     @staticmethod
     def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:
@@ -1037,6 +1077,42 @@ class Instrumentation:
                 )
         except Exception:
             self._failed("record an OperationQueued event")
+
+    def _queue_cleared(self, direction: str, ops: list[Any]) -> None:
+        """Ops a queue's ``clear()`` took: inside the controller's ``reset()``, ops that will never
+        start (ended once the reset returns, after the acks it cancels: :meth:`_end_dropped`);
+        elsewhere the submission that merged them has reported them."""
+        if getattr(self._resetting, "depth", 0):
+            self._resetting.dropped.append((direction, ops))
+
+    def _end_dropped(self, direction: str, ops: list[Any]) -> None:
+        """End queued ops a reset dropped as the library's own controller ends a queued op it
+        cancels: merged alone, submitted with no tensor, failed (guards itself)."""
+        owner, attr = self._shape.streams[direction]
+        try:
+            stream = self._stream_name(getattr(owner, attr))
+            for op in ops:
+                with NO_TORCH_FUNCTION():
+                    op_id, slots = int(op.id), self._slots_by_pool(op)
+                    node_ids = tuple(int(n) for n in getattr(op, "node_ids", ()) or ())
+                log = self.log
+                log.emit(OperationsMerged, op=op_id, merged_ops=(op_id,), direction=direction, node_ids=node_ids)
+                log.emit(
+                    TransferSubmitted,
+                    op=op_id,
+                    direction=direction,
+                    stream=stream,
+                    io_backend=self._shape.io_backend,
+                    layout=self._shape.layout,
+                    tensors=(),
+                    slots_by_pool=slots,
+                    bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+                    device=self._device,
+                )
+                error = "cancelled: the controller was reset before this op started"
+                log.emit(TransferFailed, op=op_id, direction=direction, error=error)
+        except Exception:
+            self._failed("record the ops a controller reset dropped")
 
     def _merged(self, sub: _Submission) -> None:
         """The submission's ``OperationsMerged``, once (guards itself)."""
@@ -1164,10 +1240,36 @@ class Instrumentation:
         except Exception:
             self._failed("record a TransferCompleted event")
 
+    def _ack_cleared(self, direction: str, ack: Any) -> None:
+        """An ack a queue's ``clear()`` took: a completion where its copy finished (the radix
+        tree's blocking write-back check synchronizes each ack's ``finish_event``, then
+        clears the queue), outside the controller's ``reset()``; else a cancelled op."""
+        if id(ack) not in self._pending:
+            return
+        if getattr(self._resetting, "depth", 0):
+            self._ack_cancelled(direction, "ack queue cleared (controller reset)", ack)
+        elif _copy_finished(ack):
+            self._ack_taken(direction, ack)
+        else:
+            self._ack_cancelled(direction, "ack queue cleared while the copy was still running", ack)
+
     def _ack_cancelled(self, direction: str, why: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is not None:
             self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
+
+
+def _copy_finished(ack: Any) -> bool:
+    """Whether an ack's ``finish_event`` has completed (``query()``, which never blocks); False
+    where it has none or cannot say."""
+    query = getattr(getattr(ack, "finish_event", None), "query", None)
+    if not callable(query):
+        return False
+    try:
+        with NO_TORCH_FUNCTION():
+            return query() is True
+    except Exception:
+        return False
 
 
 @dataclass
