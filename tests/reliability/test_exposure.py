@@ -282,6 +282,9 @@ FORBIDDEN = {
 }
 
 
+SERVER_HARNESS = "hicache_obs/integrations/sglang/server.py"
+
+
 def test_no_shell_eval_or_pickle_in_the_source() -> None:
     files = sorted(p for d in SOURCE_DIRS for p in d.rglob("*.py"))
     assert len(files) > 20
@@ -296,7 +299,10 @@ def test_no_shell_eval_or_pickle_in_the_source() -> None:
                         continue
                     # the bench's SGLang section runs this Python on a fixed module in a fresh
                     # interpreter (argv list, no shell): checked below
-                    if what == "subprocess" and f.relative_to(ROOT).as_posix() == "hicache_obs/bench.py":
+                    if what == "subprocess" and f.relative_to(ROOT).as_posix() in (
+                        "hicache_obs/bench.py",
+                        SERVER_HARNESS,
+                    ):
                         continue
                     hits.append(f"{f.relative_to(ROOT)}:{n}: {what}: {line.strip()}")
     assert not hits, "\n".join(hits)
@@ -304,6 +310,14 @@ def test_no_shell_eval_or_pickle_in_the_source() -> None:
     calls = re.findall(r"subprocess\.\w+\(\s*\[([^\]]*)\]", bench)
     assert calls == ["sys.executable, \"-c\", code, json.dumps(params), str(out)"], calls
     assert 'code = "from hicache_obs.bench import _sglang_child; _sglang_child()"' in bench
+    # the SGLang server harness (tests, demo --engine sglang) starts SGLang's server, this Python
+    # on a fixed module (under hicache-obs instrument, the same), with an argv list and no shell
+    server = (ROOT / SERVER_HARNESS).read_text(encoding="utf-8")
+    assert re.findall(r"subprocess\.(?:Popen|run|call|check_\w+)\(", server) == ["subprocess.Popen("]
+    assert "self.process = subprocess.Popen(\n                self.command()," in server
+    assert "shell=" not in server
+    assert 'server = [self.python, "-m", "sglang.launch_server", *self.config.args(self.port)]' in server
+    assert 'front = [self.python, "-m", "hicache_obs", "instrument", "--out", str(self.instrument_out)]' in server
 
 
 #: Ways to start a process (the subprocess module is forbidden outright above).
