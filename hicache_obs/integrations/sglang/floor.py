@@ -107,6 +107,25 @@ class FloorInstrumentation(Instrumentation):
 
         return make
 
+    def _slots_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A call that resets a free list (``clear``, ``restore_state``, a merge): one constant
+        ``SlotsFreed``, nothing read."""
+        log, failed = self.log, self._failed
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def reset(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                try:
+                    log.emit(SlotsFreed, pool=pool, tier=tier, indices=_RUNS)
+                except Exception:
+                    failed("record a SlotsFreed event")
+                return out
+
+            reset.__wrapped__ = original  # type: ignore[attr-defined]
+            return reset
+
+        return make
+
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         converts = pool != ANCHOR and self._shape.io_backend == "kernel"
 
@@ -193,7 +212,7 @@ def instrument_floor(controller: Any, *, log: EventLog) -> FloorInstrumentation:
 #: submission's end describes of what its copies received (with ``copy``, which notes
 #: them and watches the conversions).
 PARTS: dict[str, tuple[str, ...]] = {
-    "slots": ("_alloc_wrapper", "_free_wrapper"),
+    "slots": ("_alloc_wrapper", "_free_wrapper", "_slots_wrapper"),
     "queue": ("_queued",),
     "acks": ("_ack_taken",),
     "move": ("_move_wrapper",),

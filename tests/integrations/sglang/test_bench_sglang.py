@@ -117,12 +117,17 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
             monkeypatch.setattr(adapter, name, unreadable)
         for name in ("_slots_by_pool", "_op_tensors", "_received", "_report_moves", "_submitted", "_merged"):
             monkeypatch.setattr(adapter.Instrumentation, name, unreadable)
+        monkeypatch.setattr(adapter._FreeList, "read", unreadable)  # the free lists the slot hooks compare
         start = log.published
         sglang_workload(h, plan, 2)
+        end = log.published
+        h.kv_allocator.clear()  # a reset of the free lists (SGLang's flush): one constant event, nothing read
     finally:
         floor.detach()
     assert floor.errors == 0  # nothing was read (every read above raises, and a hook counts it)
-    events = log.events()[start:]
+    resets = log.events()[end:]
+    assert [(type(ev).__name__, ev.indices) for ev in resets] == [("SlotsFreed", ((0, 1),))]  # type: ignore[attr-defined]
+    events = log.events()[start:end]
     # constant contents: no op id of the controller's (SGLang's start above 0), no slots it holds
     assert {getattr(ev, "op", -1) for ev in events} <= {0, -1}
     assert {ev.indices for ev in events if isinstance(ev, (SlotsAllocated, SlotsFreed))} == {((0, 1),)}
