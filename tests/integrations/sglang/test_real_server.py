@@ -37,6 +37,7 @@ from hicache_obs.integrations.sglang.server import (
     MODELS,
     Conversations,
     ServerConfig,
+    ServerFailed,
     SGLangServer,
     free_port,
     make_model,
@@ -409,3 +410,21 @@ def test_demo_engine_sglang_refuses_in_one_line(tmp_path: Path, option: str, val
     assert proc.returncode == 2 and proc.stdout == ""
     assert says in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ failure
+@needs_server
+def test_a_server_that_fails_to_start_says_which_stage_with_its_log(models: dict[str, Path], tmp_path: Path) -> None:
+    server = SGLangServer(
+        ServerConfig(models["llama"], extra=("--hicache-mem-layout-typo", "x")), tmp_path / "server.log",
+        start_timeout=120,
+    )  # fmt: skip
+    with pytest.raises(ServerFailed) as failed:
+        with server:
+            pytest.fail("a server with an unknown flag came up")
+    message = str(failed.value)
+    assert message.startswith("start (llama kernel page_first write_through page 1 tp 1): the server exited with")
+    assert "--- server log tail ---" in message and "--hicache-mem-layout-typo" in message
+    assert server.process is not None and server.process.poll() is not None  # stopped, by its pid
+    gone = subprocess.run(["pgrep", "-g", str(server.process.pid)], capture_output=True, text=True)
+    assert gone.stdout == "", gone.stdout
