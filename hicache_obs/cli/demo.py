@@ -472,23 +472,23 @@ def _server_summary(
 
 def _print_server_summary(s: dict[str, Any]) -> None:
     con = console()
-    con.print(
-        f"[bold]hicache-obs demo[/]: SGLang {s['sglang_release']}'s server, {s['served_model']} ({s['model']}), "
-        f"{s['requests']} requests, {s['io_backend']} / {s['layout']} / {s['write_policy']}"
-    )
-    ops = s["operations"]
-    con.print(f"  transfers: {ops['d2h']} writes (d2h), {ops['h2d']} loads (h2d), failed {s['failed_operations']}")
-    con.print(
+    e = escape_text  # paths, and the violations a log names, are printed as given, not as markup
+    lines = [
+        f"[bold]hicache-obs demo[/]: SGLang {e(s['sglang_release'])}'s server, {e(s['served_model'])} "
+        f"({e(s['model'])}), {s['requests']} requests, {e(s['io_backend'])} / {e(s['layout'])} / "
+        f"{e(s['write_policy'])}",
+        f"  transfers: {s['operations']['d2h']} writes (d2h), {s['operations']['h2d']} loads (h2d), "
+        f"failed {s['failed_operations']}",
         f"  prompt tokens from host: {s['host_hit_tokens']}, from device: {s['device_hit_tokens']}, "
-        f"of {s['prompt_tokens']}"
-    )
-    intact = "[green]yes[/]" if s["data_intact"] else f"[red]no[/] ({s['mismatched_requests']} differ)"
-    con.print(f"  host-served answers equal to a recompute: {intact} ({s['checked_requests']} checked)")
-    if s["violations"]:
-        con.print(f"  [red]audit findings[/]: {s['violations']}")
-    else:
-        con.print("  audit: [green]no findings[/]")
-    con.print(f"  {s['events']} events in {escape_text(s['out'], markup=False)}/ (ranks {s['ranks']}); trace: {s['files']['trace']}")
+        f"of {s['prompt_tokens']}",
+        "  host-served answers equal to a recompute: "
+        + ("[green]yes[/]" if s["data_intact"] else f"[red]no[/] ({s['mismatched_requests']} differ)")
+        + f" ({s['checked_requests']} checked)",
+        f"  [red]audit findings[/]: {e(s['violations'])}" if s["violations"] else "  audit: [green]no findings[/]",
+        f"  {s['events']} events in {e(s['out'])}/ (ranks {s['ranks']}); trace: {e(s['files']['trace'])}",
+    ]
+    for line in lines:
+        con.print(line, soft_wrap=True)
 
 
 def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
