@@ -110,7 +110,7 @@ $(SGLANG_DIR)/%/.server-installed: $(SGLANG_REQS)/server-%.txt $(SGLANG_DIR)/%/.
 	$(PIP) --python $(SGLANG_DIR)/$*/bin/python install -q --no-deps --only-binary=:all: $(SGLANG_PIP_ARGS) -r $<
 	env -u PYTHONDONTWRITEBYTECODE SGLANG_USE_CPU_ENGINE=1 HICACHE_OBS_SGLANG_CPU=1 \
 	  PYTHONPATH=hicache_obs/integrations/sglang/_cpu_boot $(SGLANG_DIR)/$*/bin/python -W ignore -c \
-	  'import sglang.srt.entrypoints.http_server, sglang.srt.models.llama, sglang.srt.models.lfm2; print("sglang server imports")'
+	  'import sglang.srt.entrypoints.http_server, sglang.srt.models.llama, sglang.srt.models.lfm2, sglang.srt.models.nemotron_h; print("sglang server imports")'
 	touch $@
 
 sglang-clean:

@@ -25,6 +25,11 @@ registration                        runtime; on a CPU the memory is ordinary and
 short convolution (LFM2)            ``causal_conv1d_fn``/``causal_conv1d_update`` are Triton
                                     kernels off CUDA: torch implementations
                                     (:mod:`.cpu_conv`), checked against a plain convolution
+Mamba2 SSD scan (NemotronH)         ``mamba_chunk_scan_combined``/``selective_state_update``
+                                    are Triton kernels, and ``mamba.py`` binds the short
+                                    convolution only under ``is_cuda()``: torch
+                                    implementations (:mod:`.cpu_mamba2`), checked against
+                                    a plain per-token recurrence
 ``torch_native`` sliding-window     SGLang's ``torch_native`` backend reads a sliding-window
 reads (Mellum, Laguna)              layer's SWA buffer with full-pool slots; its
                                     ``forward_extend``/``forward_decode`` translate them
@@ -66,6 +71,7 @@ STAND_INS = (
     ("torch.cuda.cudart host registration", "pinned-memory registration is a successful no-op"),
     ("torch.cpu.Stream.synchronize", "the transfer engine's error path calls it"),
     ("causal_conv1d_fn / causal_conv1d_update", "torch short convolution for LFM2 (Triton off CUDA)"),
+    ("mamba_chunk_scan_combined / selective_state_update", "torch Mamba2 scan for MambaMixer2 (Triton off CUDA)"),
     ("TorchNativeAttnBackend sliding-window reads", "SWA layers read req_to_token translated full -> SWA"),
 )
 """Every stand-in :func:`install` puts in place, with why; all other code is SGLang's."""
@@ -404,6 +410,11 @@ def install() -> None:
 
         for name in conv_modules:  # the Triton module (lfm2.py imports from it too) and SGLang's wrappers
             _AFTER[name] = conv_patch
+        from .cpu_mamba2 import TARGET_MODULES as mamba2_modules
+        from .cpu_mamba2 import patch_module as mamba2_patch
+
+        for name in mamba2_modules:  # MambaMixer2's module: the scan and (CUDA-only there) conv names
+            _AFTER[name] = mamba2_patch
         from .cpu_swa import TARGET_MODULE as swa_module
         from .cpu_swa import patch_module as swa_patch
 

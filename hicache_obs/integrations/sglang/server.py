@@ -34,6 +34,7 @@ from . import cpu_server
 
 __all__ = [
     "MODELS",
+    "SERVER_ARGS",
     "ServerConfig",
     "ServerFailed",
     "SGLangServer",
@@ -50,8 +51,17 @@ MODELS = {
     "llama": "KV only: a 2-layer Llama",
     "lfm2": "hybrid: an LFM2 with short-convolution layers (state in SGLang's Mamba pool) and attention layers",
     "mellum": "hybrid SWA: a Mellum with sliding-window layers (KV in SGLang's SWA pool) and full-attention layers",
+    "nemotron_h": "hybrid Mamba2: a NemotronH with Mamba2 layers (SSM and conv state in SGLang's Mamba pool), "
+    "an attention layer and an MLP layer",
 }
 """The tiny models :func:`make_model` writes."""
+
+SERVER_ARGS: dict[str, tuple[str, ...]] = {
+    "nemotron_h": ("--mamba-radix-cache-strategy", "no_buffer", "--disable-overlap-schedule"),
+}
+"""Server arguments a kind needs on a CPU (:attr:`ServerConfig.extra`). NemotronH's default
+Mamba prefix cache (``extra_buffer``) asserts a GPU-like platform (SGLang 0.5.23
+``arg_groups/mamba_hook.py:120``); ``no_buffer`` asserts the overlap schedule is off (``:158``)."""
 
 _VOCAB = 512
 
@@ -107,6 +117,22 @@ def make_model(kind: str, folder: str | os.PathLike[str], *, seed: int = 0, init
             head_dim=16,
             **common,
         )
+    elif kind == "nemotron_h":
+        from transformers import NemotronHConfig
+
+        # mamba, attention, mamba, MLP; 4 Mamba2 heads of 16 in 2 groups, state 16
+        config = NemotronHConfig(
+            layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=2,
+            conv_kernel=4,
+            expand=1,
+            chunk_size=64,
+            **common,
+        )
     else:
         from transformers import Lfm2Config
 
@@ -122,7 +148,42 @@ def make_model(kind: str, folder: str | os.PathLike[str], *, seed: int = 0, init
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     model.to(torch.float32).save_pretrained(out)
+    if kind == "nemotron_h":
+        _sglang_nemotron_h_config(out / "config.json")
     return out
+
+
+_NEMOTRON_H_LEGACY = {
+    "n_groups": "mamba_n_groups",
+    "conv_kernel": "mamba_d_conv",
+    "expand": "mamba_expand",
+    "chunk_size": "mamba_chunk_size",
+    "time_step_min": "mamba_dt_min",
+    "time_step_max": "mamba_dt_max",
+    "time_step_floor": "mamba_dt_init_floor",
+    "use_conv_bias": "mamba_conv_bias",
+}
+_NEMOTRON_H_PATTERN = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _sglang_nemotron_h_config(path: Path) -> None:
+    """Rewrite transformers' NemotronH ``config.json`` so that SGLang 0.5.23's own
+    ``NemotronHConfig`` reads the same model, and transformers still does: SGLang takes the
+    Mamba fields under their legacy ``mamba_*`` names (transformers maps those back) and the
+    layers as ``hybrid_override_pattern`` (it rejects transformers' layer names), yet its
+    ``mamba2_cache_params`` reads ``n_groups``, so that key stays beside ``mamba_n_groups``.
+    ``time_step_limit`` (default ``(0, inf)`` in both) and ``mtp_layers_block_type`` (no MTP
+    layers) are dropped. ``time_step_min`` (used only to draw ``dt_bias``, done by now) becomes
+    0: transformers' mixer clamps the prefill's ``dt`` at ``time_step_min``, SGLang's at 0
+    (``mamba.py:639``), so with the default 0.001 the two models differ (logprobs by ~1e-2)."""
+    c = json.loads(path.read_text())
+    for new, legacy in _NEMOTRON_H_LEGACY.items():
+        c[legacy] = c[new] if new == "n_groups" else c.pop(new)
+    c["mamba_dt_min"] = 0.0
+    c.pop("time_step_limit", None)
+    c.pop("mtp_layers_block_type", None)
+    c["hybrid_override_pattern"] = "".join(_NEMOTRON_H_PATTERN[t] for t in c.pop("layers_block_type"))
+    path.write_text(json.dumps(c, indent=2) + "\n")
 
 
 @dataclass(frozen=True)

@@ -72,20 +72,21 @@ def _python_without_sglang() -> str | None:
     return str(venv) if ok else None
 
 
-def test_missing_sglang_is_one_line_exit_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["sglang", "sglang-controller"])
+def test_missing_sglang_is_one_line_exit_2(tmp_path: Path, engine: str) -> None:
     python = _python_without_sglang()
     if python is None:
         pytest.skip("no Python without SGLang here (.venv is the one the repository builds)")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [python, "-m", "hicache_obs", "demo", "--engine", "sglang-controller", "--out", str(out)],
+        [python, "-m", "hicache_obs", "demo", "--engine", engine, "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
-    assert proc.stderr.startswith("hicache-obs: error: --engine sglang-controller: SGLang is not installed")
+    assert proc.stderr.startswith(f"hicache-obs: error: --engine {engine}: SGLang is not installed")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert not out.exists()  # refused before --out is touched
 

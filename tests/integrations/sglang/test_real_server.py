@@ -35,6 +35,7 @@ from sglang_env import RELEASE
 
 from hicache_obs.integrations.sglang.server import (
     MODELS,
+    SERVER_ARGS,
     Conversations,
     ServerConfig,
     ServerFailed,
@@ -54,11 +55,12 @@ needs_server = pytest.mark.skipif(
     not SERVER_INSTALLED, reason="SGLang's server packages are not installed here (make sglang-server)"
 )
 
-LOGPROB_TOL = 2e-3
+LOGPROB_TOL = 5e-3
 """Greedy logprobs of a request served from host against its recompute. The tokens must be
 equal; the logprobs differ a little because the two prefills are split differently (cached
-prefix plus new tokens, against all at once) and float32 sums in another order: up to
-1.0e-3 measured on LFM2 (the short convolution from a loaded state against from zeros)."""
+prefix plus new tokens, against all at once) and float32 sums in another order. Measured:
+below 1e-4 on Llama, up to 1.0e-3 on LFM2 and 1.6e-3 on NemotronH, whose decode steps on
+SGLang's CPU path drift from a plain recurrence by up to 1e-2 (the tokens agree)."""
 
 
 def test_server_installed_where_required() -> None:
@@ -153,7 +155,8 @@ def _audit(out: Path) -> dict[str, Any]:
 # server. LFM2: each policy and backend at least once; SGLang's Mamba host pool takes
 # page_first (kernel) or page_first_direct (direct) only, and its Mamba prefix cache on a CPU
 # (the no_buffer strategy) asserts page size 1 ("no_buffer only supports page_size=1").
-# Mellum (sliding-window and full-attention layers: SGLang's SWA pool): each policy end, each backend.
+# Mellum (sliding-window and full-attention layers: SGLang's SWA pool) and NemotronH (Mamba2
+# layers: SGLang's Mamba pool): a write-through and a write-back server, one on each backend.
 CONFIGS = [
     ("llama", "write_through", "kernel", "page_first", 1),
     ("llama", "write_through", "direct", "layer_first", 16),
@@ -161,11 +164,14 @@ CONFIGS = [
     ("llama", "write_through_selective", "direct", "page_first", 1),
     ("llama", "write_back", "kernel", "page_first", 16),
     ("llama", "write_back", "direct", "layer_first", 1),
+    ("llama", "write_through", "direct", "page_first_direct", 16),
     ("lfm2", "write_through", "kernel", "page_first", 1),
     ("lfm2", "write_through_selective", "direct", "page_first_direct", 1),
     ("lfm2", "write_back", "kernel", "page_first", 1),
     ("mellum", "write_through", "kernel", "page_first", 1),
     ("mellum", "write_back", "direct", "layer_first", 16),
+    ("nemotron_h", "write_through", "kernel", "page_first", 1),
+    ("nemotron_h", "write_back", "direct", "page_first_direct", 1),
 ]
 
 
@@ -176,7 +182,7 @@ def test_served_from_host_exact_and_silent(
 ) -> None:
     config = ServerConfig(
         models[model], io_backend=backend, layout=layout, write_policy=policy, page_size=page,
-        max_mamba_cache_size=48 if model == "lfm2" else None,
+        max_mamba_cache_size=48 if model in ("lfm2", "nemotron_h") else None, extra=SERVER_ARGS.get(model, ()),
     )  # fmt: skip
     port = free_port()
     fault = tmp_path / "skip-loads"
@@ -190,7 +196,7 @@ def test_served_from_host_exact_and_silent(
         ours, theirs = _quiet(server, port)
         _check_exact(ours, theirs)
         pools = _check_occupancy(server, ours)
-        side = {"lfm2": "mamba", "mellum": "swa"}.get(model)
+        side = {"lfm2": "mamba", "nemotron_h": "mamba", "mellum": "swa"}.get(model)
         if side is not None:  # the short-conv state (Mamba pool) or sliding-window KV (SWA pool) moved both ways
             assert f"{side}/device" in pools and f"{side}/host" in pools, pools
             for direction in ("d2h", "h2d"):
