@@ -15,15 +15,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from sglang_env import release_tuple
+from sglang_env import SERVER_RELEASE
 
 from hicache_obs.integrations.sglang import cpu_conv
 from hicache_obs.integrations.sglang.cpu_conv import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
-
-# the CPU server's stand-ins follow 0.5.23's code: the release whose real server the tests run
-SERVER_RELEASE = pytest.mark.skipif(
-    release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
-)
 
 DIM = 6
 LINES, STATE_LEN = 7, 4  # cache lines; state columns (>= width - 1: the last stay untouched for width < 5)

@@ -16,15 +16,10 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from sglang_env import release_tuple
+from sglang_env import SERVER_RELEASE
 
 from hicache_obs.integrations.sglang import cpu_conv, cpu_mamba2
 from hicache_obs.integrations.sglang.cpu_mamba2 import PAD_SLOT_ID, mamba_chunk_scan_combined, selective_state_update
-
-# the CPU server's stand-ins follow 0.5.23's code: the release whose real server the tests run
-SERVER_RELEASE = pytest.mark.skipif(
-    release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
-)
 
 NHEADS, HEADDIM, NGROUPS, DSTATE = 4, 3, 2, 5
 LINES = 6

@@ -10,14 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_env import release_tuple
+from sglang_env import SERVER_RELEASE
 
 from hicache_obs.integrations.sglang import cpu_swa
-
-# the CPU server's stand-ins follow 0.5.23's code: the release whose real server the tests run
-SERVER_RELEASE = pytest.mark.skipif(
-    release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
-)
 
 HEADS, DIM, FULL, SWA = 2, 8, 40, 12
 
