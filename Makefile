@@ -101,8 +101,9 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 # What SGLang's HTTP server needs on top of a release's set, for the real-server tests
 # (tests/integrations/sglang/test_real_server.py): $(SGLANG_REQS)/server-<release>.txt,
 # installed with --no-deps into that release's venv. In CI (CI=true) the real-server tests
-# fail rather than skip on these releases when it is missing.
-SGLANG_SERVER_RELEASES ?= 0.5.23
+# fail rather than skip on these releases when it is missing. The import check below also
+# proves the CPU stand-ins (hicache_obs/integrations/sglang/cpu_server.py) load there.
+SGLANG_SERVER_RELEASES ?= 0.5.10 0.5.11 0.5.23
 
 sglang-server: $(foreach r,$(SGLANG_SERVER_RELEASES),$(SGLANG_DIR)/$(r)/.server-installed)
 

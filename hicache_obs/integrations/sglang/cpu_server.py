@@ -35,6 +35,9 @@ reads (Mellum, Laguna)              layer's SWA buffer with full-pool slots; its
                                     ``forward_extend``/``forward_decode`` translate them
                                     first for such layers, as the AMX backend does
                                     (:mod:`.cpu_swa`)
+paged allocator slots (0.5.10,      ``--page-size`` above 1: the paged allocator launches
+0.5.11)                             Triton kernels on any device (0.5.23 falls back to
+                                    torch): torch implementations (:mod:`.cpu_alloc`)
 ==================================  =====================================================
 
 The boot folder ``_cpu_boot/`` holds a ``sitecustomize`` that calls :func:`install` in
@@ -73,6 +76,7 @@ STAND_INS = (
     ("causal_conv1d_fn / causal_conv1d_update", "torch short convolution for LFM2 (Triton off CUDA)"),
     ("mamba_chunk_scan_combined / selective_state_update", "torch Mamba2 scan for MambaMixer2 (Triton off CUDA)"),
     ("TorchNativeAttnBackend sliding-window reads", "SWA layers read req_to_token translated full -> SWA"),
+    ("alloc_extend_kernel / alloc_decode_kernel (0.5.10, 0.5.11)", "paged allocator slots in torch (Triton off CUDA)"),
 )
 """Every stand-in :func:`install` puts in place, with why; all other code is SGLang's."""
 
@@ -419,6 +423,10 @@ def install() -> None:
         from .cpu_swa import patch_module as swa_patch
 
         _AFTER[swa_module] = swa_patch
+        from .cpu_alloc import TARGET_MODULE as alloc_module
+        from .cpu_alloc import patch_module as alloc_patch
+
+        _AFTER[alloc_module] = alloc_patch  # 0.5.10/0.5.11 only: 0.5.23 falls back to torch itself
         for name in _CONTROLLERS:
             _AFTER[name] = _register_after_init
         if not any(isinstance(f, _AfterImport) for f in sys.meta_path):

@@ -299,6 +299,10 @@ class SGLangServer:
         env[cpu_server.STATE_ENV] = str(self.state_dir)
         shutil.rmtree(self.state_dir, ignore_errors=True)  # no request or answer of an earlier server
         self.state_dir.mkdir(parents=True)
+        # SGLang 0.5.11 derives a gRPC port of --port + 10000 and refuses to start when that
+        # is above 65535 (server_args.py:1046), even with gRPC off; a free port above 55535
+        # would do that. The variable is read by no other release.
+        env.setdefault("SGLANG_GRPC_PORT", str(free_port()))
         env.update(self.env)
         if self.fault_file is not None:
             env[cpu_server.FAULT_ENV] = str(self.fault_file)

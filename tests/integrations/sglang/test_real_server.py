@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_env import RELEASE
+from sglang_env import RELEASE, release_tuple
 
 from hicache_obs.integrations.sglang.server import (
-    MODELS,
     SERVER_ARGS,
     Conversations,
     ServerConfig,
@@ -55,6 +54,10 @@ needs_server = pytest.mark.skipif(
     not SERVER_INSTALLED, reason="SGLang's server packages are not installed here (make sglang-server)"
 )
 
+CURRENT = release_tuple() >= (0, 5, 23)
+"""The release every test here runs on; 0.5.10 and 0.5.11 serve Llama only (below)."""
+current_only = pytest.mark.skipif(not CURRENT, reason="run on SGLang 0.5.23: its hybrid models, TP and the demo")
+
 LOGPROB_TOL = 5e-3
 """Greedy logprobs of a request served from host against its recompute. The tokens must be
 equal; the logprobs differ a little because the two prefills are split differently (cached
@@ -68,10 +71,21 @@ def test_server_installed_where_required() -> None:
         assert SERVER_INSTALLED, f"HICACHE_REQUIRE_SGLANG_SERVER=1 but SGLang {RELEASE}'s server packages are missing"
 
 
+class _Models(dict):  # type: ignore[type-arg]
+    """Each tiny model made once, on first use."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, kind: str) -> Path:
+        self[kind] = path = make_model(kind, self.folder / kind)
+        return path
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("models")
-    return {kind: make_model(kind, folder / kind) for kind in MODELS}
+    return _Models(tmp_path_factory.mktemp("models"))
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -120,24 +134,28 @@ def _check_occupancy(server: SGLangServer, ours: str) -> dict[str, tuple[int, in
 
 
 def _check_exact(ours: str, theirs: str) -> None:
-    """Our counters equal SGLang's where both count the same thing."""
+    """Our counters equal SGLang's where both count the same thing. 0.5.23 has every figure
+    below; 0.5.10 and 0.5.11 count loads without a pool label and have no backup counter."""
     for direction, name in (("d2h", "sglang:hicache_backup_tokens_total"), ("h2d", "sglang:load_back_tokens_total")):
-        pools = {labels["pool"] for labels, _ in metric_samples(theirs, name)}
-        assert pools, f"SGLang's /metrics has no {name}"
-        for pool in pools:
-            assert _value(ours, "hicache_transfer_slots_total", pool=pool, direction=direction) == _value(
-                theirs, name, pool=pool
-            ), f"{direction} {pool}: hicache_transfer_slots_total != {name}"
-    assert _value(ours, "hicache_transfer_bytes_total", direction="d2h") == _value(
-        theirs, "sglang:hicache_backup_bytes_total"
-    )
-    assert _value(ours, "hicache_pool_capacity_slots", pool="kv", tier="host") == _value(
-        theirs, "sglang:hicache_host_total_tokens"
-    )
-    if metric_samples(theirs, "sglang:hicache_host_mamba_total_states"):
-        assert _value(ours, "hicache_pool_capacity_slots", pool="mamba", tier="host") == _value(
-            theirs, "sglang:hicache_host_mamba_total_states"
-        )
+        samples = metric_samples(theirs, name)
+        assert samples or (not CURRENT and direction == "d2h"), f"SGLang's /metrics has no {name}"
+        for labels, value in samples:
+            pool = labels.get("pool")
+            mine = _value(ours, "hicache_transfer_slots_total", direction=direction, **({"pool": pool} if pool else {}))
+            assert mine == value, f"{direction} {pool}: hicache_transfer_slots_total {mine} != {name} {value}"
+    compared = 0
+    for mine, name in (
+        (_value(ours, "hicache_transfer_bytes_total", direction="d2h"), "sglang:hicache_backup_bytes_total"),
+        (_value(ours, "hicache_pool_capacity_slots", pool="kv", tier="host"), "sglang:hicache_host_total_tokens"),
+        (
+            _value(ours, "hicache_pool_capacity_slots", pool="mamba", tier="host"),
+            "sglang:hicache_host_mamba_total_states",
+        ),
+    ):
+        if metric_samples(theirs, name):
+            assert mine == _value(theirs, name), name
+            compared += 1
+    assert compared >= 2 or not CURRENT, "0.5.23 reports the backup bytes and the host pool's size"
     assert _value(ours, "hicache_operations_total", status="failed") == 0
     assert _value(ours, "hicache_audit_violations_total") == 0
     assert _value(theirs, "sglang:hicache_dropped_tokens_total") == 0
@@ -173,10 +191,13 @@ CONFIGS = [
     ("nemotron_h", "write_through", "kernel", "page_first", 1),
     ("nemotron_h", "write_back", "direct", "page_first_direct", 1),
 ]
+# 0.5.10 and 0.5.11: Llama, one server per policy. Their transformers (5.3.0) has no MellumConfig
+# and refuses the NemotronH layer names make_model writes; LFM2 was not tried on them.
+EARLIER_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[5]]
 
 
 @needs_server
-@pytest.mark.parametrize(("model", "policy", "backend", "layout", "page"), CONFIGS)
+@pytest.mark.parametrize(("model", "policy", "backend", "layout", "page"), CONFIGS if CURRENT else EARLIER_CONFIGS)
 def test_served_from_host_exact_and_silent(
     models: dict[str, Path], tmp_path: Path, model: str, policy: str, backend: str, layout: str, page: int
 ) -> None:
@@ -254,6 +275,7 @@ def _prometheus_query(url: str, expr: str) -> list[dict[str, Any]]:
 
 
 @needs_server
+@current_only
 def test_views_of_a_live_server(models: dict[str, Path], tmp_path: Path) -> None:
     """Every dashboard panel returns data from a real Prometheus scraping the instrumented
     server; spans reach an OTLP receiver; audit, inspect and export read the rank folders."""
@@ -321,6 +343,7 @@ def test_views_of_a_live_server(models: dict[str, Path], tmp_path: Path) -> None
 
 # ------------------------------------------------------------------ tensor parallelism
 @needs_server
+@current_only
 def test_two_tensor_parallel_ranks(models: dict[str, Path], tmp_path: Path) -> None:
     """``--tp-size 2`` on the CPU (gloo; SGLang binds each rank's threads to a core): one log
     folder and one /metrics per rank (BASE + rank), one merged audit. Rank 1's port is taken by
@@ -376,6 +399,7 @@ def test_two_tensor_parallel_ranks(models: dict[str, Path], tmp_path: Path) -> N
 
 # ------------------------------------------------------------------ the demo
 @needs_server
+@current_only
 def test_demo_engine_sglang_runs_the_real_server(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.run(
