@@ -173,8 +173,9 @@ def _audit(out: Path) -> dict[str, Any]:
 # server. LFM2: each policy and backend at least once; SGLang's Mamba host pool takes
 # page_first (kernel) or page_first_direct (direct) only, and its Mamba prefix cache on a CPU
 # (the no_buffer strategy) asserts page size 1 ("no_buffer only supports page_size=1").
-# Mellum (sliding-window and full-attention layers: SGLang's SWA pool) and NemotronH (Mamba2
-# layers: SGLang's Mamba pool): a write-through and a write-back server, one on each backend.
+# Mellum (sliding-window and full-attention layers: SGLang's SWA pool): each policy, each backend,
+# each layout. NemotronH (Mamba2 layers: SGLang's Mamba pool): write-through on the kernel backend,
+# write-back on the direct one.
 CONFIGS = [
     ("llama", "write_through", "kernel", "page_first", 1),
     ("llama", "write_through", "direct", "layer_first", 16),
@@ -188,6 +189,7 @@ CONFIGS = [
     ("lfm2", "write_back", "kernel", "page_first", 1),
     ("mellum", "write_through", "kernel", "page_first", 1),
     ("mellum", "write_back", "direct", "layer_first", 16),
+    ("mellum", "write_through_selective", "direct", "page_first_direct", 1),
     ("nemotron_h", "write_through", "kernel", "page_first", 1),
     ("nemotron_h", "write_back", "direct", "page_first_direct", 1),
 ]
