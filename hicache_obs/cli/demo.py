@@ -8,14 +8,20 @@ when an OTLP endpoint is given. Then it runs :class:`~hicache_obs.workload.Workl
 closes everything, writes ``trace.json`` and prints a summary (``--json``: one
 JSON object).
 
-``--engine sglang`` serves the same workload through SGLang's real HiCache controller
-(built on this machine's CPU, instrumented by :mod:`hicache_obs.integrations.sglang`;
-see :mod:`hicache_obs.integrations.sglang.engine`), with the same pipeline and
-summary. It refuses what it cannot honour (``--model tiny_swa``, a ``--runtime``
-other than ``cpu``, ``--layout page_first_direct`` without ``--io-backend direct``,
-any ``--fault``: it injects nothing, SGLang 0.5.10 *is* the pre-#22940 code) and
-defaults ``--layout`` to the installed release's own default. A copy SGLang raises in
-(0.5.10's kernel backend on the hybrid model) is a failed transfer, counted like ours.
+``--engine sglang`` runs SGLang's real server instead (``python -m sglang.launch_server``
+with HiCache, under ``hicache-obs instrument``, a tiny model made in ``--out``), sends it
+chat requests over HTTP, checks each host-served answer against a recompute and summarises
+the rank folders (:mod:`hicache_obs.integrations.sglang.server_demo`).
+
+``--engine sglang-controller`` serves the same synthetic workload through SGLang's real
+HiCache controller (built on this machine's CPU, instrumented by
+:mod:`hicache_obs.integrations.sglang`; see :mod:`hicache_obs.integrations.sglang.engine`),
+with the same pipeline and summary. It refuses what it cannot honour (``--model tiny_swa``,
+a ``--runtime`` other than ``cpu`` or ``cuda``, ``--layout page_first_direct`` without
+``--io-backend direct``, any ``--fault``: it injects nothing, SGLang 0.5.10 *is* the
+pre-#22940 code) and defaults ``--layout`` to the installed release's own default. A copy
+SGLang raises in (0.5.10's kernel backend on the hybrid model) is a failed transfer,
+counted like ours.
 """
 
 from __future__ import annotations
@@ -129,7 +135,8 @@ def register(sub: Any) -> None:
         choices=list(RUNTIME_NAMES),
         default=None,
         metavar="NAME",
-        help=f"%(choices)s (default: {DEFAULT_RUNTIME}; cpu or cuda with --engine sglang)",
+        help=f"%(choices)s (default: {DEFAULT_RUNTIME}; cpu with --engine sglang, cpu or cuda with "
+        "--engine sglang-controller)",
     )
     p.add_argument(
         "--steps",
@@ -157,8 +164,8 @@ def register(sub: Any) -> None:
         choices=list(LAYOUTS),
         default=None,
         metavar="NAME",
-        help=f"host pool layout: %(choices)s (default: {DEFAULT_LAYOUT}; with --engine sglang, the "
-        "SGLang release's own default)",
+        help=f"host pool layout: %(choices)s (default: {DEFAULT_LAYOUT}; page_first with --engine sglang; "
+        "the SGLang release's own default with --engine sglang-controller)",
     )
     p.add_argument(
         "--write-policy",
