@@ -416,25 +416,35 @@ def _run_server(args: argparse.Namespace) -> int:
             demo.settle(server)
         except OSError as exc:  # the server died or refused: say where its log is
             raise sd.stopped_error(server, exc) from None
-        summary = _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint)
-        summary["wall_seconds"] = time.perf_counter() - t_start
-        if args.json:
-            print(json.dumps(summary, indent=2), flush=True)
-        else:
-            _print_server_summary(summary)
-        if args.serve:
+        if args.serve:  # the summary of the folders as they are, then /metrics until Ctrl-C
+            _show_server_summary(
+                args, _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint), t_start
+            )
             try:
                 _serve(metrics_url, quiet=args.json)
             except KeyboardInterrupt:
                 pass
+            return EXIT_OK
+    # the server is down: every rank closed its log, the summary counts every event it wrote
+    _show_server_summary(
+        args, _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint), t_start
+    )
     return EXIT_OK
+
+
+def _show_server_summary(args: argparse.Namespace, summary: dict[str, Any], t_start: float) -> None:
+    summary["wall_seconds"] = time.perf_counter() - t_start
+    if args.json:
+        print(json.dumps(summary, indent=2), flush=True)
+    else:
+        _print_server_summary(summary)
 
 
 def _server_summary(
     args: argparse.Namespace, release: str, out: Path, server: Any, turns: list[Any], data: dict[str, Any],
     metrics_url: str, otlp_endpoint: str | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The server demo's summary, from its rank folders (read while the idle server keeps them open)."""
+    """The server demo's summary, from its rank folders."""
     from hicache_obs.exporters.chrome_trace import write_chrome_trace
 
     from ..events.replay import replay

@@ -117,18 +117,22 @@ class ServerDemo:
 
     @staticmethod
     def settle(server: SGLangServer, timeout: float = 60.0) -> str:
-        """``/metrics`` of rank 0 once every submitted transfer has completed."""
+        """``/metrics`` of rank 0 once every submitted transfer has ended and the event count
+        has stopped moving (the tree's last writes are queued a step after the last answer)."""
         assert server.metrics_port is not None
         deadline = time.monotonic() + timeout
+        last: tuple[float, ...] | None = None
         while True:
             text = server.metrics(server.metrics_port)
             ops = {
                 s: sum(v for _, v in metric_samples(text, "hicache_operations_total", status=s))
                 for s in ("submitted", "completed", "failed")
             }
-            if ops["submitted"] == ops["completed"] + ops["failed"] or time.monotonic() > deadline:
+            now = (*ops.values(), sum(v for _, v in metric_samples(text, "hicache_events_total")))
+            if (now == last and ops["submitted"] == ops["completed"] + ops["failed"]) or time.monotonic() > deadline:
                 return text
-            time.sleep(0.25)
+            last = now
+            time.sleep(0.5)
 
 
 def check_data(server: SGLangServer, turns: list[Turn]) -> dict[str, Any]:

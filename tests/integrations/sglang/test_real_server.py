@@ -294,13 +294,18 @@ def test_views_of_a_live_server(models: dict[str, Path], tmp_path: Path) -> None
         with server:
             proc, url, prom_log = start_prometheus(exe, tmp_path / "prometheus", f"127.0.0.1:{port}", JOB)
             try:
-                talk = Conversations()
-                for n in range(3):
-                    talk.turn(server, n)
-                deadline = time.monotonic() + 30
-                while not _prometheus_query(url, f'count_over_time(up{{job="{JOB}"}}[1m]) >= 3'):
+                deadline = time.monotonic() + 60
+                while not _prometheus_query(url, f'up{{job="{JOB}"}} == 1'):  # scraping before the traffic
                     assert time.monotonic() < deadline, prom_log.read_text()[-3000:]
                     time.sleep(0.5)
+                talk = Conversations()
+                moved = f'sum(increase(hicache_transfer_duration_seconds_count{{job="{JOB}"}}[1m])) > 0'
+                for n in range(6):  # until the scrapes saw transfers complete (rates need two samples)
+                    talk.turn(server, n)
+                    time.sleep(2.0)
+                    if n >= 2 and _prometheus_query(url, moved):
+                        break
+                assert _prometheus_query(url, moved), prom_log.read_text()[-3000:]
                 empty = []
                 for name, board in committed_dashboards().items():
                     for panel, target in panel_targets(board):
