@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import types
 
 import pytest
 
@@ -20,3 +22,18 @@ def release_tuple() -> tuple[int, ...]:
 SERVER_RELEASE = pytest.mark.skipif(
     release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
 )
+
+
+def fresh_module(name: str) -> types.ModuleType:
+    """A new copy of SGLang's module ``name``, executed from its file, not in ``sys.modules``
+    (and past any import hook, so nothing has patched it)."""
+    from hicache_obs.integrations.sglang.testing import prepare
+
+    prepare("cpu")  # SGLang's packages import here as in the other CPU tests
+    found = importlib.util.find_spec(name)
+    assert found is not None and found.origin is not None, name
+    spec = importlib.util.spec_from_file_location(name, found.origin)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

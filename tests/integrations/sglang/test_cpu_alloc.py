@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import types
 
 import pytest
 import torch
+from sglang_env import fresh_module
 
 from hicache_obs.integrations.sglang import cpu_alloc
 
 pytestmark = pytest.mark.needs_sglang
-
-
-def fresh(name: str) -> types.ModuleType:
-    """A copy of SGLang's module, so that nothing global is patched."""
-    from hicache_obs.integrations.sglang.testing import prepare
-
-    prepare("cpu")  # SGLang's packages import here as in the other CPU tests
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.origin is not None
-    copy = importlib.util.spec_from_file_location(name, spec.origin)
-    assert copy is not None and copy.loader is not None
-    module = importlib.util.module_from_spec(copy)
-    copy.loader.exec_module(module)
-    return module
 
 
 def reference(prefix: list[int], seq: list[int], last: list[int], free: list[int], page: int) -> list[int]:
@@ -47,7 +33,7 @@ def _tensor(values: list[int]) -> torch.Tensor:
 
 
 def test_the_kernels_hand_out_the_slots_sglang_would() -> None:
-    module = fresh(cpu_alloc.TARGET_MODULE)
+    module = fresh_module(cpu_alloc.TARGET_MODULE)
     spec = importlib.util.find_spec(cpu_alloc.TARGET_MODULE)
     if spec is not None and spec.submodule_search_locations is not None:  # 0.5.23: a package that falls back itself
         assert not hasattr(module, "alloc_extend_kernel")

@@ -7,7 +7,6 @@ the left with its initial state (or zeros). The SGLang tests check the signature
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import sys
 import types
@@ -15,7 +14,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
-from sglang_env import SERVER_RELEASE
+from sglang_env import SERVER_RELEASE, fresh_module
 
 from hicache_obs.integrations.sglang import cpu_conv
 from hicache_obs.integrations.sglang.cpu_conv import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
@@ -212,23 +211,12 @@ def test_activation_spellings_and_unsupported_arguments() -> None:
 # -- on SGLang's modules ---------------------------------------------------------------------
 
 
-def fresh(name: str) -> types.ModuleType:
-    """A new copy of SGLang's module ``name``, executed from its file, not in ``sys.modules``
-    (and past any import hook, so nothing has patched it)."""
-    origin = importlib.util.find_spec(name).origin  # type: ignore[union-attr]
-    spec = importlib.util.spec_from_file_location(name, origin)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def modules(monkeypatch: pytest.MonkeyPatch) -> tuple[types.ModuleType, types.ModuleType]:
     """Fresh copies of the Triton module and of the wrapper module importing from it."""
-    triton_module = fresh(cpu_conv.TRITON_MODULE)
+    triton_module = fresh_module(cpu_conv.TRITON_MODULE)
     monkeypatch.setitem(sys.modules, cpu_conv.TRITON_MODULE, triton_module)
-    return triton_module, fresh(WRAPPER_MODULE)
+    return triton_module, fresh_module(WRAPPER_MODULE)
 
 
 @pytest.mark.needs_sglang

@@ -4,26 +4,16 @@ translated slots, as it wrote them; a full-attention layer is untouched."""
 
 from __future__ import annotations
 
-import importlib.util
 import types
 from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_env import SERVER_RELEASE
+from sglang_env import SERVER_RELEASE, fresh_module
 
 from hicache_obs.integrations.sglang import cpu_swa
 
 HEADS, DIM, FULL, SWA = 2, 8, 40, 12
-
-
-def fresh(name: str) -> types.ModuleType:
-    origin = importlib.util.find_spec(name).origin  # type: ignore[union-attr]
-    spec = importlib.util.spec_from_file_location(name, origin)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Pool:
@@ -68,10 +58,7 @@ def decode(module: types.ModuleType, table: torch.Tensor, layer_id: int, pool: P
 @pytest.mark.needs_sglang
 @SERVER_RELEASE
 def test_sliding_window_layer_reads_swa_slots() -> None:
-    from hicache_obs.integrations.sglang.testing import prepare
-
-    prepare("cpu")  # SGLang's packages import here as in the other CPU tests
-    module = fresh(cpu_swa.TARGET_MODULE)
+    module = fresh_module(cpu_swa.TARGET_MODULE)
     original = module.TorchNativeAttnBackend.forward_decode
     pool = Pool()
     table = torch.arange(30, 40).unsqueeze(0)  # full slots of one request
