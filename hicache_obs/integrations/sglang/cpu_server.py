@@ -111,27 +111,6 @@ def server_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs a patch right after a target module has executed."""
-
-    def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
-        if name not in _BIND_AFTER and name not in _AFTER:
-            return None
-        from .launcher import find_spec_after
-
-        spec = find_spec_after(self, name, path, target)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module: types.ModuleType) -> None:
-            exec_module(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def _patch(module: types.ModuleType) -> None:
     from . import kernels
 
@@ -429,8 +408,10 @@ def install() -> None:
         _AFTER[alloc_module] = alloc_patch  # 0.5.10/0.5.11 only: 0.5.23 falls back to torch itself
         for name in _CONTROLLERS:
             _AFTER[name] = _register_after_init
-        if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterImport())
+        from .launcher import PatchAfterImport
+
+        if not any(isinstance(f, PatchAfterImport) and f.patch is _patch for f in sys.meta_path):
+            sys.meta_path.insert(0, PatchAfterImport({*_BIND_AFTER, *_AFTER}, _patch))
         for name in (*_BIND_AFTER, *_AFTER):
             if name in sys.modules:
                 _patch(sys.modules[name])

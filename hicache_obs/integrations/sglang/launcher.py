@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -207,30 +207,35 @@ def find_spec_after(finder: Any, name: str, path: Any, target: Any = None) -> An
     return importlib.machinery.PathFinder.find_spec(name, path)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Runs :func:`_patch_module` right after a target module has executed."""
+class PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after each module named in ``targets`` has executed; the
+    module itself is found by the finders after this one."""
+
+    def __init__(self, targets: Collection[str], patch: Callable[[Any], None]) -> None:
+        self.targets = frozenset(targets)
+        self.patch = patch
 
     def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def,override]
-        if name not in TARGETS:
+        if name not in self.targets:
             return None
         spec = find_spec_after(self, name, path, target)
         if spec is None or spec.loader is None:
             return None
-        loader = spec.loader
-        exec_module = loader.exec_module
+        exec_module = spec.loader.exec_module
+        patch = self.patch
 
         def exec_and_patch(module: Any) -> None:
             exec_module(module)
-            _patch_module(module)
+            patch(module)
 
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this spec's own loader
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]  # this spec's own loader
         return spec
 
 
 def install_import_hook() -> None:
     """Instrument every SGLang HiCache controller this process creates from now on. Idempotent."""
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    if not any(isinstance(f, PatchAfterImport) and f.patch is _patch_module for f in sys.meta_path):
+        sys.meta_path.insert(0, PatchAfterImport(TARGETS, _patch_module))
     for name in TARGETS:  # already imported (sitecustomize ran late): patch in place
         module = sys.modules.get(name)
         if module is not None:

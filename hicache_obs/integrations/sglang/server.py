@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -516,8 +516,3 @@ def recompute(server: SGLangServer, turns: Iterable[Turn], max_new_tokens: int =
         server.flush_cache()
         out.append(_turn(t.input_ids, server.generate(t.input_ids, max_new_tokens)))
     return out
-
-
-def with_config(server: SGLangServer, **changes: Any) -> SGLangServer:
-    """A new, unstarted server like ``server`` with its configuration changed."""
-    return replace(server, config=replace(server.config, **changes), process=None, port=0)
