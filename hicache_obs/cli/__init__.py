@@ -92,23 +92,55 @@ def deferred_interrupts() -> Iterator[None]:
 def _sigterm_unwinds() -> Iterator[None]:
     """While the command runs, SIGTERM raises :class:`Terminated` (once; later ones are ignored
     so the unwinding can finish). Left alone where someone else installed a handler, or off
-    the main thread (Python only runs signal handlers there)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) not in (
-        signal.SIG_DFL,
-        None,
-    ):
+    the main thread (Python only runs signal handlers there).
+
+    An interrupt raised while a finalizer (``__del__``, a weakref callback) runs is printed
+    and dropped by Python, and the command would go on as if no signal had come. While the
+    command runs, such a dropped ``KeyboardInterrupt`` or :class:`Terminated` is not printed:
+    its signal is raised again, to be handled at the next point outside the finalizer."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
+    ours = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the unwinding below must not be cut short
         raise Terminated()
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous_hook = sys.unraisablehook
+
+    def redeliver(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        main_thread = threading.current_thread() is threading.main_thread()
+        if isinstance(exc, Terminated) and ours and main_thread:
+            signal.signal(signal.SIGTERM, on_sigterm)
+            sig = signal.SIGTERM
+        elif (
+            type(exc) is KeyboardInterrupt
+            and main_thread
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            sig = signal.SIGINT
+        else:
+            previous_hook(unraisable)
+            return
+        while True:  # sent from a thread, so it is handled once this hook has returned
+            try:
+                threading.Timer(0.01, os.kill, (os.getpid(), sig)).start()
+                return
+            except KeyboardInterrupt:  # the one sent before landed in here: send it again
+                if sig == signal.SIGTERM:
+                    signal.signal(signal.SIGTERM, on_sigterm)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if ours else None
+    sys.unraisablehook = redeliver
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = previous_hook
+        if ours:
+            signal.signal(signal.SIGTERM, previous)
+
 
 #: Subcommand modules, in the order ``--help`` lists them.
 COMMANDS = ("demo", "audit", "inspect", "export", "bench", "instrument")

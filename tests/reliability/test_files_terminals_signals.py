@@ -118,7 +118,9 @@ def _cli_in_subprocess(tmp: Path, cases: list[tuple[list[str], dict[str, str]]])
         for i, (argv, env) in enumerate(cases)
     ]
     (tmp / "cases.json").write_text(json.dumps(spec))
-    res = subprocess.run([PY, "-c", DRIVER, str(tmp / "cases.json")], capture_output=True, text=True, env=ENV, timeout=300)
+    res = subprocess.run(
+        [PY, "-c", DRIVER, str(tmp / "cases.json")], capture_output=True, text=True, env=ENV, timeout=300
+    )
     assert res.returncode == 0, res.stderr
     codes = json.loads(res.stdout)
     return [
@@ -309,7 +311,9 @@ def _wait_until(proc: subprocess.Popen[str], cond: Any, what: str) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
 def test_sigterm_mid_workload_flushes_and_closes_like_sigint(tmp_path: Path, sig: int, code: int, word: str) -> None:
     out = tmp_path / "d"
     proc = _start_demo(out)
@@ -334,7 +338,9 @@ def test_sigterm_mid_workload_flushes_and_closes_like_sigint(tmp_path: Path, sig
     assert not [f for f in audit(res.events) if f.rule == "incomplete_operation"]
 
 
-@pytest.mark.parametrize(("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
 def test_a_signal_during_start_up_exits_with_its_code_and_no_traceback(
     tmp_path: Path, sig: int, code: int, word: str
 ) -> None:
@@ -355,6 +361,48 @@ def test_a_signal_during_start_up_exits_with_its_code_and_no_traceback(
             proc.wait()
     assert proc.returncode == code, err
     assert "Traceback" not in err and err.rstrip().endswith(f"hicache-obs: error: {word}"), err
+
+
+IN_A_FINALIZER = r"""
+import sys, time
+from hicache_obs import cli
+
+class Slow:
+    def __del__(self):  # the signal lands while a finalizer runs: Python drops what it raises
+        print("in-finalizer", flush=True)
+        time.sleep(3)
+
+def command(argv):
+    Slow()
+    print("after-finalizer", flush=True)
+    while True:
+        time.sleep(0.01)
+
+cli._main = command
+sys.exit(cli.main([]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
+def test_a_signal_inside_a_finalizer_still_stops_the_command(sig: int, code: int, word: str) -> None:
+    proc = subprocess.Popen(
+        [PY, "-c", IN_A_FINALIZER], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "in-finalizer"
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == code, err
+    assert "after-finalizer" in out  # the finalizer ended; the signal was handled after it
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert err.rstrip().endswith(f"hicache-obs: error: {word}"), err
 
 
 KILLED_WRITER = r"""
