@@ -70,7 +70,7 @@ clean:
 # as byte-compiling all of a release costs 30-45 s at install and the tests import a fraction of it:
 # instead the check at the end imports what the tests import, writing the bytecode of just that
 # (even where PYTHONDONTWRITEBYTECODE is set): every later SGLang import is then ~10 s faster.
-SGLANG_RELEASES ?= 0.5.10 0.5.11 0.5.23
+SGLANG_RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.23
 SGLANG_DIR ?= .sglang
 SGLANG_REQS := tests/integrations/sglang/requirements
 SGLANG_PTH := _hicache_obs_main_venv.pth
@@ -95,7 +95,7 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" $*
 	# import what the tests import, once: its bytecode is written now, and the stand-ins are proven
 	env -u PYTHONDONTWRITEBYTECODE $(SGLANG_DIR)/$*/bin/python -W ignore -c \
-	  'from hicache_obs.integrations.sglang.testing import prepare; prepare()'
+	  'from hicache_obs.integrations.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
 	touch $@
 
 # What SGLang's HTTP server needs on top of a release's set, for the real-server tests

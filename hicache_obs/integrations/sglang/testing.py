@@ -89,7 +89,9 @@ class CudaStandIn(torch.Tensor):
         if func is torch.Tensor.cpu or (func is torch.Tensor.to and _target(args[1:], kwargs) == "cpu"):
             with _PLAIN():
                 src = args[0]
-                out = src.clone() if func is torch.Tensor.cpu else func(src, *_cpu_args(args[1:]), **_cpu_kwargs(kwargs))
+                out = (
+                    src.clone() if func is torch.Tensor.cpu else func(src, *_cpu_args(args[1:]), **_cpu_kwargs(kwargs))
+                )
                 return out if out is not src else out.clone()
         if func is torch.Tensor.numpy:
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
@@ -146,7 +148,9 @@ class _CudaMode(TorchFunctionMode):
             src = args[0]
             target = "cuda" if func is torch.Tensor.cuda else _target(args[1:], kwargs)
             if target == "cuda":
-                rest = [a for a in args[1:] if not isinstance(a, (str, torch.device))] if func is torch.Tensor.to else []
+                rest = (
+                    [a for a in args[1:] if not isinstance(a, (str, torch.device))] if func is torch.Tensor.to else []
+                )
                 kw = {k: v for k, v in kwargs.items() if k != "device"}
                 if isinstance(src, CudaStandIn):
                     return func(src, *rest, **kw) if rest or kw.get("dtype") is not None else src
@@ -203,6 +207,22 @@ def _install_torchvision_stand_in() -> None:
         pass
     if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
         sys.meta_path.append(_StubFinder())
+    _bind_auto_image_processor()
+
+
+def _bind_auto_image_processor() -> None:
+    """Without torchvision, transformers 5.4 to 5.18 export ``AutoImageProcessor`` as a
+    placeholder that raises on any attribute, and SGLang's config package calls
+    ``AutoImageProcessor.register`` at import (0.5.13 pins transformers 5.8.1). The real class,
+    whose ``register`` needs no torchvision, is bound in its place."""
+    try:
+        real = importlib.import_module("transformers.models.auto.image_processing_auto").AutoImageProcessor
+    except (ImportError, AttributeError):
+        return
+    package = sys.modules.get("transformers")  # importing a submodule may replace the lazy package
+    exported = getattr(package, "AutoImageProcessor", None)
+    if type(exported).__name__ == "DummyObject" and type(real).__name__ != "DummyObject":
+        package.AutoImageProcessor = real  # type: ignore[union-attr]
 
 
 # ----------------------------------------------------------------------- prepare
@@ -707,15 +727,47 @@ def _to_cuda_indices(*objs: Any) -> None:
         obj.clear()
 
 
+def _module(name: str) -> Any:
+    """SGLang's module ``name``, or None where this release has no such module."""
+    try:
+        found = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # its parent is missing, or is a module, not a package
+        return None
+    return None if found is None else importlib.import_module(name)
+
+
+def _find_class(names: Sequence[str], cls: str) -> Any:
+    """Class ``cls`` from the first of the modules ``names`` that defines it: SGLang moved its
+    host pool classes between releases, not all at once."""
+    for name in names:
+        module = _module(name)
+        if module is not None and isinstance(getattr(module, cls, None), type):
+            return getattr(module, cls)
+    raise IntegrationError(f"SGLang {sglang_version()}: no {cls} in {' or '.join(names)}; this harness cannot build it")
+
+
+_MPH = "sglang.srt.mem_cache.memory_pool_host"
+_POOL_HOST = "sglang.srt.mem_cache.pool_host"
+
+
+def _takes_device_pool(cls: Any) -> bool:
+    """Whether a host pool class is built from the device pool (0.5.10 to 0.5.13, and the
+    releases whose ``pool_host`` package still does so) or from its buffer description."""
+    params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return bool(params) and params[0] == "device_pool"
+
+
 def _build(
     spec: ModelSpec, io_backend: str, layout: str, device_size: int, host_ratio: float, write_policy: str, device: str
 ) -> SGLangHarness:
     """SGLang's pools, host pools, host pool group and controller for ``spec``.
 
-    Two layouts of SGLang are known: host pools in ``mem_cache/memory_pool_host.py``
-    (0.5.10, 0.5.11), or in the ``mem_cache/pool_host`` package with the L2 transfer
-    engine (0.5.2x); the differences are in :func:`_host_pools` and :func:`_entries`."""
-    new_layout = importlib.util.find_spec("sglang.srt.mem_cache.pool_host") is not None
+    Each part is found where the installed release has it, one feature at a time: the host
+    pool classes in ``mem_cache/pool_host/`` or ``mem_cache/memory_pool_host.py``, built
+    from the device pool or from its buffer description; the Mamba free list in an
+    allocator of its own (``allocator/mamba.py``) or in the pool; the host pool group's
+    entries through ``build_pool_entry`` or as ``PoolEntry`` objects. A part that is
+    nowhere is an :class:`~hicache_obs.errors.IntegrationError` naming it."""
     mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
     alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
     storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
@@ -735,13 +787,11 @@ def _build(
                 device=device,
             )
         )
-        # 0.5.2x keeps the Mamba free list in an allocator of its own; earlier, in the pool
-        mamba_allocator = (
-            importlib.import_module("sglang.srt.mem_cache.allocator.mamba").MambaSlotAllocator(mamba_size, device)
-            if new_layout
-            else mamba_pool
-        )
-    kv_host, mamba_host = _host_pools(new_layout, spec, kv_pool, mamba_pool, layout, host_ratio, device == "cuda")
+        # from 0.5.13 the Mamba free list is an allocator of its own; earlier, the pool's
+        slot_mod = _module("sglang.srt.mem_cache.allocator.mamba")
+        slot_cls = getattr(slot_mod, "MambaSlotAllocator", None)
+        mamba_allocator = slot_cls(mamba_size, device) if slot_cls is not None else mamba_pool
+    kv_host, mamba_host = _host_pools(spec, kv_pool, mamba_pool, layout, host_ratio, device == "cuda")
     h = SGLangHarness(spec, None, kv_pool, allocator, kv_host, io_backend=io_backend, layout=layout)
     h.pool_transfer, h.pool_name = storage.PoolTransfer, storage.PoolName
     h.mamba_pool, h.mamba_allocator, h.mamba_host = mamba_pool, mamba_allocator, mamba_host
@@ -759,7 +809,7 @@ def _build(
     hcc = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
     h.controller = hcc.HybridCacheController(
         allocator,
-        _entries(new_layout, h, storage.PoolName),
+        _entries(h, storage.PoolName),
         spec.page_size,
         None,
         event,
@@ -767,7 +817,7 @@ def _build(
             hcc.HybridCacheController.__init__,
             write_policy=write_policy,
             io_backend=io_backend,
-            transfer_layer_num=spec.num_layers,  # 0.5.10/0.5.11
+            transfer_layer_num=spec.num_layers,  # 0.5.10 to 0.5.13
             transfer_layer_id_max=spec.num_layers,  # 0.5.2x
         ),
     )
@@ -775,89 +825,93 @@ def _build(
 
 
 def _host_pools(
-    new_layout: bool, spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float, pin: bool
+    spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float, pin: bool
 ) -> tuple[Any, Any]:
-    if not new_layout:
-        mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
-        kv_host = mph.MHATokenToKVPoolHost(kv_pool, host_ratio, 0, spec.page_size, layout, pin_memory=pin)
-        mamba_host = (
-            None
-            if mamba_pool is None
-            else mph.MambaPoolHost(mamba_pool, host_ratio, 0, pin_memory=pin, layout=layout)
-        )
-        return kv_host, mamba_host
-    mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
-    info = kv_pool.get_device_pool_infos()[0].buffer_info
-    host_cls = mha.get_mha_host_pool_cls(info) if hasattr(mha, "get_mha_host_pool_cls") else mha.MHATokenToKVPoolHost
-    kv_host = host_cls(
-        info,
+    mha = _module(f"{_POOL_HOST}.mha")
+    if mha is not None and hasattr(mha, "get_mha_host_pool_cls"):
+        host_cls = mha.get_mha_host_pool_cls(kv_pool.get_device_pool_infos()[0].buffer_info)
+    else:
+        host_cls = _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost")
+    kv_host = _host_pool(
+        host_cls,
+        kv_pool,
         host_ratio,
         0,
         spec.page_size,
         layout,
-        **_kw(
-            host_cls.__init__,
-            pin_memory=pin,
-            device_capacity_tokens=kv_pool.size,
-            start_layer=kv_pool.start_layer,
-            end_layer=kv_pool.end_layer,
-            write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None),
-        ),
+        pin_memory=pin,
+        device_capacity_tokens=kv_pool.size,
+        start_layer=getattr(kv_pool, "start_layer", None),
+        end_layer=getattr(kv_pool, "end_layer", None),
+        write_back_staging=getattr(kv_pool, "hicache_write_back_staging", None),
     )
     if mamba_pool is None:
         return kv_host, None
-    mamba_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.mamba")
-    mamba_host = mamba_mod.MambaPoolHost(
-        mamba_pool.get_device_pool_infos()[0].buffer_info,
-        host_ratio,
-        0,
-        **_kw(mamba_mod.MambaPoolHost.__init__, device_capacity=mamba_pool.size, pin_memory=pin, layout=layout),
+    mamba_cls = _find_class((f"{_POOL_HOST}.mamba", _MPH), "MambaPoolHost")
+    mamba_host = _host_pool(
+        mamba_cls, mamba_pool, host_ratio, 0, device_capacity=mamba_pool.size, pin_memory=pin, layout=layout
     )
     return kv_host, mamba_host
 
 
-def _entries(new_layout: bool, h: SGLangHarness, names: Any) -> Any:
+def _host_pool(cls: Any, device_pool: Any, *args: Any, **candidates: Any) -> Any:
+    """A host pool of ``cls``, built from ``device_pool`` or from its buffer description,
+    whichever the class takes, with the keyword ``candidates`` it accepts."""
+    first = device_pool if _takes_device_pool(cls) else device_pool.get_device_pool_infos()[0].buffer_info
+    return cls(first, *args, **_kw(cls.__init__, **{k: v for k, v in candidates.items() if v is not None}))
+
+
+def _entries(h: SGLangHarness, names: Any) -> Any:
     """The host pool group: KV (the anchor) and Mamba, with their global layer maps."""
     kv_map, mamba_map, n = _layer_maps(h.spec)
-    if not new_layout:
-        mph = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
-        return mph.HostPoolGroup(
-            [
-                mph.PoolEntry(
-                    name=names.KV,
-                    host_pool=h.kv_host,
-                    device_pool=h.kv_pool,
-                    layer_mapper=lambda i, m=kv_map: m.get(i) if 0 <= i < n else None,
-                    is_primary_index_anchor=True,
-                ),
-                mph.PoolEntry(
-                    name=names.MAMBA,
-                    host_pool=h.mamba_host,
-                    device_pool=h.mamba_pool,
-                    layer_mapper=lambda i, m=mamba_map: m.get(i) if 0 <= i < n else None,
-                ),
-            ]
+    group_cls = _find_class((f"{_POOL_HOST}.group", _MPH), "HostPoolGroup")
+    own_allocator = h.mamba_allocator is not h.mamba_pool
+    parts = [
+        dict(name=names.KV, host_pool=h.kv_host, device_pool=h.kv_pool, layer_map=kv_map, anchor=True),
+        dict(
+            name=names.MAMBA,
+            host_pool=h.mamba_host,
+            device_pool=h.mamba_pool,
+            layer_map=mamba_map,
+            anchor=False,
+            alloc=h.mamba_allocator.alloc if own_allocator else None,
+            free=h.mamba_allocator.free if own_allocator else None,
+        ),
+    ]
+    asm = _module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    build = getattr(asm, "build_pool_entry", None)
+    entries = []
+    for part in parts:
+        extra = {k: v for k, v in (("device_alloc_fn", part.get("alloc")), ("device_free_fn", part.get("free"))) if v}
+        if build is not None:
+            entries.append(
+                build(
+                    **_kw(
+                        build,
+                        name=part["name"],
+                        host_pool=part["host_pool"],
+                        device_pool=part["device_pool"],
+                        layer_mapping=part["layer_map"],
+                        transfer_layer_num=n,
+                        transfer_layer_id_max=n,
+                        is_anchor=part["anchor"],
+                        **extra,
+                    )
+                )
+            )
+            continue
+        entry_cls = _find_class((f"{_POOL_HOST}.group", _MPH), "PoolEntry")
+        fields = getattr(entry_cls, "__dataclass_fields__", {})
+        if extra and not all(k in fields for k in extra):
+            raise IntegrationError(f"SGLang {sglang_version()}: PoolEntry takes no device_alloc_fn/device_free_fn")
+        entries.append(
+            entry_cls(
+                name=part["name"],
+                host_pool=part["host_pool"],
+                device_pool=part["device_pool"],
+                layer_mapper=lambda i, m=part["layer_map"]: m.get(i) if 0 <= i < n else None,
+                is_primary_index_anchor=part["anchor"],
+                **extra,
+            )
         )
-    group_mod = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
-    asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
-    return group_mod.HostPoolGroup(
-        [
-            asm.build_pool_entry(
-                name=names.KV,
-                host_pool=h.kv_host,
-                device_pool=h.kv_pool,
-                layer_mapping=kv_map,
-                transfer_layer_id_max=n,
-                is_anchor=True,
-            ),
-            asm.build_pool_entry(
-                name=names.MAMBA,
-                host_pool=h.mamba_host,
-                device_pool=h.mamba_pool,
-                layer_mapping=mamba_map,
-                transfer_layer_id_max=n,
-                device_alloc_fn=h.mamba_allocator.alloc,
-                device_free_fn=h.mamba_allocator.free,
-            ),
-        ]
-    )
+    return group_cls(entries)
