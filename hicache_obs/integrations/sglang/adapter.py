@@ -28,7 +28,9 @@ Everything the adapter reports it observed at a boundary of the real controller:
   rejoined its free lists in the call (:class:`_FreeList`): a Mamba allocation group's
   batch when it is taken, a deferred free when its group ends, a page allocator's whole
   pages, a ``clear()``'s every slot in use. Where the free lists are in device memory (a
-  GPU) the tier is left out instead (``unseen_slot_tiers``).
+  GPU) the tier is left out instead (``unseen_slot_tiers``). Bound methods of those calls
+  that SGLang took before instrumenting (a tree component's ``allocator.free``) are found
+  where they are held and hooked there too (:func:`_captured_methods`).
 
 Features are detected on the instance, never by version string; a controller that
 lacks one of the required boundaries is refused before anything is changed.
@@ -36,9 +38,11 @@ lacks one of the required boundaries is refused before anything is changed.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -329,9 +333,13 @@ def _detect(c: Any) -> _Shape:
                 hooks = [(entry, "device_alloc_fn", "device_free_fn")]
                 if owner is not None and getattr(entry.device_free_fn, "__self__", None) is owner:
                     hooks.insert(0, (owner, "alloc", "free"))
-                pools.append(_PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks))
+                pools.append(
+                    _PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks)
+                )
             else:
-                pools.append(_PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")]))
+                pools.append(
+                    _PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")])
+                )
     elif host is not None:
         pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
     for p in pools:
@@ -346,6 +354,78 @@ def _detect(c: Any) -> _Shape:
             f"cannot instrument {type(c).__module__}.{type(c).__name__}: it lacks " + "; ".join(missing)
         )
     return _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")))
+
+
+def _slot_calls(allocator: Any) -> list[str]:
+    """The calls of :data:`_SLOT_CALLS` that ``allocator`` has."""
+    return [name for name in _SLOT_CALLS if callable(getattr(allocator, name, None))]
+
+
+def _captured_methods(
+    allocators: list[tuple[Any, list[str], set[int]]],
+) -> list[tuple[list[tuple[Any, Any, str]], list[tuple[str, str]]]]:
+    """Where bound methods ``allocator.<name>`` were kept before instrumenting, for each
+    ``(allocator, names, handled)``: SGLang's tree components keep ``allocator.free`` from
+    when they were built, so a hook put on the allocator afterwards would never see those
+    calls. For each allocator: ``(holder, key, name)`` for every place the adapter can
+    rebind (a dict entry, an instance attribute, a list item, a closure cell with key None;
+    ``handled``: ids of dicts hooked another way), and ``(name, holder type)`` for every
+    place it cannot (a tuple, a slot, a C object). Two passes over the heap in all."""
+    funcs: dict[int, dict[Any, str]] = {}
+    for allocator, names, _ in allocators:
+        table = funcs.setdefault(id(allocator), {})
+        for name in names:
+            f = inspect.getattr_static(type(allocator), name, None)
+            f = getattr(f, "__func__", f)
+            if f is not None:
+                table[f] = name
+    out: list[tuple[list[tuple[Any, Any, str]], list[tuple[str, str]]]] = [([], []) for _ in allocators]
+    methods = [
+        r
+        for r in gc.get_referrers(*[a for a, _, _ in allocators])
+        if type(r) is types.MethodType and r.__func__ in funcs.get(id(r.__self__), ())
+    ]
+    if not methods:
+        return out
+    ids: dict[int, Any] = {id(m): m for m in methods}
+    slot = {id(a): i for i, (a, _, _) in enumerate(allocators)}
+
+    def one(v: Any) -> bool:
+        return ids.get(id(v), ids) is v
+
+    def put(m: Any, holder: Any, key: Any) -> None:
+        i = slot[id(m.__self__)]
+        if key is not None and isinstance(holder, dict) and id(holder) in allocators[i][2]:
+            return  # an entry the adapter hooks by its attribute
+        out[i][0].append((holder, key, funcs[id(m.__self__)][m.__func__]))
+
+    for holder in gc.get_referrers(*methods):
+        if holder is methods or holder is ids or isinstance(holder, (types.FrameType, types.FunctionType)):
+            continue  # this function's own tables, or a running call's local
+        if isinstance(holder, dict):
+            for k, v in list(holder.items()):
+                if one(v):
+                    put(v, holder, k)
+        elif isinstance(holder, list):
+            for k, v in enumerate(holder):
+                if one(v):
+                    put(v, holder, k)
+        elif isinstance(holder, types.CellType):
+            put(holder.cell_contents, holder, None)
+        elif isinstance(getattr(holder, "__dict__", None), dict) and any(one(v) for v in vars(holder).values()):
+            d = vars(holder)  # an instance whose attributes live in the object (no dict of its own yet)
+            for k, v in list(d.items()):
+                if one(v):
+                    put(v, d, k)
+        else:
+            for m in methods:
+                if _holds(holder, m):
+                    out[slot[id(m.__self__)]][1].append((funcs[id(m.__self__)][m.__func__], type(holder).__name__))
+    return out
+
+
+def _holds(holder: Any, method: Any) -> bool:
+    return any(r is method for r in gc.get_referents(holder))
 
 
 def _capacity(obj: Any, tier: str) -> tuple[int, int]:
@@ -718,7 +798,9 @@ class Instrumentation:
         # each hook guards itself (an error is counted, never raised into SGLang): a queue's
         # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
-            queue = _OpQueue(getattr(c, attr), partial(self._queued, direction), partial(self._queue_cleared, direction))
+            queue = _OpQueue(
+                getattr(c, attr), partial(self._queued, direction), partial(self._queue_cleared, direction)
+            )
             self._swap_list(c, attr, queue)
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
             acks = _AckQueue(
@@ -737,25 +819,83 @@ class Instrumentation:
         for p in shape.pools:
             for meth in shape.copy.values():
                 self._wrap(p.host, meth, self._copy_wrapper(p.name, p.host))
-            self._watch_slots(p.name, "host", [(p.host, "alloc", "free")])
-            if (p.name, "device") not in self._unseen:
-                self._watch_slots(p.name, "device", p.device_hooks)
+        watched = [(p.name, "host", [(p.host, "alloc", "free")]) for p in shape.pools] + [
+            (p.name, "device", p.device_hooks) for p in shape.pools if (p.name, "device") not in self._unseen
+        ]
+        # before any hook exists: every bound method of an allocator found now was taken by SGLang
+        captured = _captured_methods(
+            [
+                (
+                    self._watches[(pool, tier)].obj,
+                    _slot_calls(self._watches[(pool, tier)].obj),
+                    {
+                        id(vars(o))
+                        for o, _, _ in hooks
+                        if o is not self._watches[(pool, tier)].obj and hasattr(o, "__dict__")
+                    },
+                )
+                for pool, tier, hooks in watched
+            ]
+        )
+        for (pool, tier, hooks), found in zip(watched, captured):
+            self._watch_slots(pool, tier, hooks, found)
 
-    def _watch_slots(self, pool: str, tier: str, hooks: list[tuple[Any, str, str]]) -> None:
+    def _watch_slots(
+        self,
+        pool: str,
+        tier: str,
+        hooks: list[tuple[Any, str, str]],
+        captured: tuple[list[tuple[Any, Any, str]], list[tuple[str, str]]],
+    ) -> None:
         """Hook every call that changes the free lists of ``pool``'s allocator on ``tier``
-        (:data:`_SLOT_CALLS`, those it has), and the other objects' allocation and free
-        attributes in ``hooks`` (a host pool group entry's bound methods of it)."""
+        (:data:`_SLOT_CALLS`, those it has), the other objects' allocation and free
+        attributes in ``hooks`` (a host pool group entry's bound methods of it), and the
+        bound methods of it that SGLang took before (``captured``, :func:`_captured_methods`)."""
         watch = self._watches[(pool, tier)]
         allocator = watch.obj
         alloc, free = self._alloc_wrapper, self._free_wrapper
         make = {"out": alloc, "take": alloc, "slots": free, "pages": free, "reset": self._slots_wrapper}
-        for name, kind in _SLOT_CALLS.items():
-            if callable(getattr(allocator, name, None)):
-                self._wrap_slots(allocator, name, make[kind](pool, tier), watch)
+        for name in _slot_calls(allocator):
+            self._wrap_slots(allocator, name, make[_SLOT_CALLS[name]](pool, tier), watch)
         for obj, alloc_attr, free_attr in hooks:
             if obj is not allocator:
                 self._wrap_slots(obj, alloc_attr, self._alloc_wrapper(pool, tier), watch)
                 self._wrap_slots(obj, free_attr, self._free_wrapper(pool, tier), watch)
+        found, blind = captured
+        for holder, key, name in found:
+            self._rebind(holder, key, getattr(allocator, name))
+        if blind:
+            _log.warning(
+                "hicache-obs cannot see calls made through %s of pool %r (%s): held by %s, which it cannot rebind",
+                ", ".join(sorted({f"{type(allocator).__name__}.{n}" for n, _ in blind})),
+                pool,
+                tier,
+                ", ".join(sorted({h for _, h in blind})),
+            )
+
+    def _rebind(self, holder: Any, key: Any, hook: Callable[..., Any]) -> None:
+        """Put ``hook`` where a bound method of an allocator, taken before instrumenting, is
+        held (``holder[key]``, or a closure cell when ``key`` is None); undone on detach."""
+        if key is None:
+            original = holder.cell_contents
+            holder.cell_contents = hook
+
+            def undo() -> None:
+                if holder.cell_contents is hook:
+                    holder.cell_contents = original
+
+        else:
+            original = holder[key]
+            holder[key] = hook
+
+            def undo() -> None:
+                try:
+                    if holder[key] is hook:
+                        holder[key] = original
+                except (KeyError, IndexError):
+                    pass
+
+        self._undo.append(undo)
 
     def _adopt_allocations(self, watch: _FreeList, pool: str, tier: str) -> None:
         """Slots already in use when instrumenting (the padding slot, earlier requests)."""
