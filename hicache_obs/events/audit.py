@@ -12,7 +12,9 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 - ``slot_not_allocated``: a transfer names a slot that is not allocated, or slots are
   freed while a submitted transfer still uses them (use after free, out of range; at
   any size of free; one finding per op and pool tier, at the first free that takes
-  its slots);
+  its slots). Where the op's slot values are not in the log (device indices, never
+  read: no sync), an ``IndicesFreed`` is the evidence: the tensor freed holds the
+  indices the op received;
 - ``double_free``: slots freed that were already free;
 - ``incomplete_operation``: an op submitted but never completed or failed, at log end.
 
@@ -55,6 +57,7 @@ from .schema import (
     EVENT_TYPES,
     AuditViolation,
     Event,
+    IndicesFreed,
     IndicesMoved,
     OperationsMerged,
     PoolCreated,
@@ -148,6 +151,8 @@ class _Evidence:
     # (pool, tier) -> the slots the transfer reads or writes, where their values are known,
     # as :data:`Spans`; a pool tier leaves once a free took them
     spans: dict[tuple[str, str], Spans] = field(default_factory=dict)
+    # (pool, tier) whose use after free was reported from an ``IndicesFreed`` (once each)
+    freed: set[tuple[str, str]] = field(default_factory=set)
 
 
 #: Runs as two lists: their starts in order, and the running maximum of their ends.
@@ -377,6 +382,7 @@ class Auditor:
             StreamRecorded: self._recorded,
             TransferCompleted: self._completed,
             TransferFailed: self._failed,
+            IndicesFreed: self._indices_freed,
         }
         # fold mode: per event type, the CacheState handler and the rule handler (either
         # may be None); one lookup per event, no CacheState.apply in between
@@ -574,6 +580,33 @@ class Auditor:
             )
         if not use.ops:
             del r.in_use[key]
+
+    def _indices_freed(self, ev: IndicesFreed, r: _RankAudit) -> None:
+        """An index tensor that in-flight ops received, handed to a free: a use after free
+        for each of them still in flight, where their slot values were not in the log (else
+        the ``SlotsFreed`` check reports it, with the slots)."""
+        key = (ev.pool, ev.tier)
+        for op in ev.ops:
+            rec = r.record(ev.rank, op)
+            f = rec.evidence if rec is not None else None
+            if f is None or rec is None or rec.submit is None or key in f.spans or key in f.freed:
+                continue  # not in flight, or its slots are known, or reported already
+            f.freed.add(key)
+            sub = rec.submit
+            t = ev.tensor
+            self._report(
+                "slot_not_allocated",
+                ev.pool,
+                "host" if ev.tier == "host" else "device",
+                op,
+                ev.rank,
+                f"{ev.tier} indices of pool {ev.pool!r} ({t.numel} on {t.device}) were freed while "
+                f"{sub.direction} op {op} on stream {sub.stream!r} still uses them: the tensor freed "
+                "holds the indices the op received (use after free)",
+                stream=sub.stream,
+                direction=sub.direction,
+                seq=ev.seq,
+            )
 
     def _leaves(self, op: int, f: _Evidence, r: _RankAudit) -> None:
         """``op`` is no longer in flight: its slots leave the index."""

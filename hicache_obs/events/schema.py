@@ -31,6 +31,7 @@ __all__ = [
     "TransferSubmitted",
     "TransferCompleted",
     "TransferFailed",
+    "IndicesFreed",
     "AuditViolation",
     "AnyEvent",
     "EVENT_TYPES",
@@ -54,11 +55,12 @@ LOG_FORMAT = "hicache-obs/events"
 #: a segment without a header is version 1 (every log written before headers). Version 2:
 #: the same, with each ``AuditViolation`` right before the event that revealed it (with
 #: that event's ``ts_ns``), the end-of-log ones after every event (version 1 logged them
-#: after the revealing event). See docs/events.md, "Compatibility".
-LOG_FORMAT_VERSION = 2
+#: after the revealing event). Version 3: version 2, with one more event type a reader of
+#: version 2 does not know (``IndicesFreed``). See docs/events.md, "Compatibility".
+LOG_FORMAT_VERSION = 3
 #: The versions this reader reads; a segment of a newer version is refused
 #: (:class:`~hicache_obs.errors.UnsupportedLogVersionError`). See docs/events.md, "Compatibility".
-READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
 
 #: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
 MAX_CAPACITY = 1 << 28
@@ -199,6 +201,19 @@ class TransferFailed(Event, frozen=True, kw_only=True):
     error: str
 
 
+class IndicesFreed(Event, frozen=True, kw_only=True):
+    """An index tensor handed to a pool's free while the ops in ``ops``, in flight, still use
+    it: ``tensor`` is the very tensor (or a view of the storage) one of their copies or
+    queued operations received, for ``pool`` on ``tier``. The evidence of a use after free
+    where the slot values are on the device and not read (no sync): who frees the memory an
+    op holds, not which slots. Reported before the free runs."""
+
+    pool: str
+    tier: Tier
+    ops: tuple[int, ...]
+    tensor: TensorRef
+
+
 class AuditViolation(Event, frozen=True, kw_only=True):
     op: int
     rule: str
@@ -221,6 +236,7 @@ AnyEvent = (
     | TransferSubmitted
     | TransferCompleted
     | TransferFailed
+    | IndicesFreed
     | AuditViolation
 )
 
@@ -238,6 +254,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         TransferSubmitted,
         TransferCompleted,
         TransferFailed,
+        IndicesFreed,
         AuditViolation,
     )
 }

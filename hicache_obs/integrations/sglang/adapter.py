@@ -59,6 +59,7 @@ from ...events.log import EventLog
 from ...events.schema import (
     D2H,
     H2D,
+    IndicesFreed,
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -257,6 +258,32 @@ class _Submission:
 class _Pending:
     op: int
     direction: str
+
+
+@dataclass(slots=True)
+class _Held:
+    """A device index tensor an in-flight op received, held weakly (an op must not keep its
+    tensors alive: that would hide a missing record), with the memory it spans: while it is
+    alive, no other tensor's storage can be there."""
+
+    pool: str
+    ref: weakref.ref[torch.Tensor]
+    lo: int
+    hi: int
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a tensor's elements occupy, ``[lo, hi)`` (metadata only: no values read)."""
+    size = t.element_size()
+    lo = hi = t.data_ptr()
+    for n, stride in zip(t.shape, t.stride()):
+        if n > 1:
+            reach = (n - 1) * stride * size
+            if reach < 0:
+                lo += reach
+            else:
+                hi += reach
+    return lo, hi + size
 
 
 @dataclass
@@ -675,6 +702,10 @@ class Instrumentation:
         self._detached = False
         self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
+        # op in flight -> its device index tensors whose values the log does not hold (never
+        # read: no sync), weakly, with the memory they span: a free handed one of them is the
+        # evidence of a use after free (IndicesFreed)
+        self._held: dict[int, list[_Held]] = {}
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
 
@@ -839,6 +870,19 @@ class Instrumentation:
         )
         for (pool, tier, hooks), found in zip(watched, captured):
             self._watch_slots(pool, tier, hooks, found)
+        # a device tier whose slots are not read (free lists on a GPU) still has its frees
+        # compared with the index tensors of the ops in flight
+        blind = [
+            p for p in shape.pools if (p.name, "device") in self._unseen and callable(getattr(p.device, "free", None))
+        ]
+        kept = _captured_methods([(b.device, ["free"], set()) for b in blind]) if blind else []
+        for b, (places, _) in zip(blind, kept):
+            self._wrap(b.device, "free", self._held_free_wrapper(b.name))
+            for obj, _, free_attr in b.device_hooks:
+                if obj is not b.device:
+                    self._wrap(obj, free_attr, self._held_free_wrapper(b.name))
+            for holder, key, _ in places:
+                self._rebind(holder, key, b.device.free)
 
     def _watch_slots(
         self,
@@ -1114,12 +1158,18 @@ class Instrumentation:
         """A call that can change the free lists of ``pool``'s allocator on ``tier``: its
         ``SlotsFreed`` / ``SlotsAllocated`` are the slots that really rejoined or left them
         (:meth:`_FreeList.settle`). Installed by :meth:`_wrap_slots` (outermost calls only)."""
-        log, failed, watch = self.log, self._failed, self._watches[(pool, tier)]
+        log, failed, watch, held = self.log, self._failed, self._watches[(pool, tier)], self._held
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             kind = _SLOT_CALLS.get(getattr(original, "__name__", ""), "reset")
+            check = kind == "slots" and tier == "device"
 
             def slots(*args: Any, **kwargs: Any) -> Any:
+                if check and held:
+                    try:
+                        self._check_held(pool, tier, args, kwargs)
+                    except Exception:
+                        failed("compare a free with the tensors of ops in flight")
                 try:
                     with NO_TORCH_FUNCTION():
                         before = watch.read()
@@ -1143,6 +1193,25 @@ class Instrumentation:
 
             slots.__wrapped__ = original  # type: ignore[attr-defined]
             return slots
+
+        return make
+
+    def _held_free_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A device free whose slots are not read: only compared with the tensors of the ops in
+        flight (:meth:`_check_held`)."""
+        held, failed = self._held, self._failed
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def free(*args: Any, **kwargs: Any) -> Any:
+                if held:
+                    try:
+                        self._check_held(pool, "device", args, kwargs)
+                    except Exception:
+                        failed("compare a free with the tensors of ops in flight")
+                return original(*args, **kwargs)
+
+            free.__wrapped__ = original  # type: ignore[attr-defined]
+            return free
 
         return make
 
@@ -1325,6 +1394,8 @@ class Instrumentation:
             device=self._device,
             host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
         )
+        if error is None:
+            self._hold(sub, op_id, refs)
         for tensor, rec_stream in sub.records:
             hit = by_id.get(id(tensor))
             if hit is None:  # the same memory seen through another tensor object
@@ -1341,6 +1412,46 @@ class Instrumentation:
             except Exception:
                 self._failed("record a StreamRecorded event")
         self._settle_acks(sub, op_id, error)
+
+    def _hold(self, sub: _Submission, op_id: int, refs: list[TensorRef]) -> None:
+        """Keep, weakly, the device index tensors of a submitted op whose values its
+        ``TransferSubmitted`` lacks: those the copies received, and those of the queued ops
+        merged into it (the tree's own tensors, before a merge concatenated them)."""
+        blind = {r.pool for r in refs if r.role == "device" and r.indices is None and r.numel}
+        if not blind or not sub.acks:
+            return
+        held: list[_Held] = []
+        seen: set[int] = set()
+        tensors = [(pool, t) for (pool, role), t in sub.uses.items() if role == "device"]
+        for queued in sub.queued_ops:
+            found = self._op_tensors(
+                getattr(queued, "host_indices", None),
+                getattr(queued, "device_indices", None),
+                getattr(queued, "pool_transfers", None),
+            )
+            tensors += [(pool, t) for (pool, role), t in found.items() if role == "device"]
+        for pool, t in tensors:
+            if pool in blind and id(t) not in seen and t.numel():
+                seen.add(id(t))
+                held.append(_Held(pool, weakref.ref(t), *_span(t)))
+        if held:
+            self._held[op_id] = held
+
+    def _check_held(self, pool: str, tier: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before a free runs: an ``IndicesFreed`` where the tensor it was handed holds the
+        indices (shares the memory) of device index tensors in-flight ops received."""
+        freed = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if freed is None or not freed.numel():
+            return
+        with NO_TORCH_FUNCTION():
+            lo, hi = _span(freed)
+            ops = tuple(
+                op
+                for op, held in self._held.items()
+                if any(h.pool == pool and h.lo < hi and lo < h.hi and h.ref() is not None for h in held)
+            )
+            if ops:
+                self._emit(IndicesFreed, pool=pool, tier=tier, ops=ops, tensor=tensor_ref(freed, pool, "device"))
 
     def _settle_acks(self, sub: _Submission, op_id: int, error: BaseException | None) -> None:
         """A submission's acks await their op's completion; a submission that raised is a
@@ -1366,6 +1477,8 @@ class Instrumentation:
         p = self._pending.pop(id(ack), None)
         if p is None:
             return
+        if self._held:
+            self._held.pop(p.op, None)
         try:
             duration = 0
             if getattr(ack, "timing_enabled", False):
@@ -1396,6 +1509,7 @@ class Instrumentation:
     def _ack_cancelled(self, direction: str, why: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is not None:
+            self._held.pop(p.op, None)
             self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
 
 

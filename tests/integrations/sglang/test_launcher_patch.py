@@ -23,6 +23,8 @@ def test_the_hook_wraps_init_once_and_instruments_each_controller_once(monkeypat
     module.HiCacheController = cls  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, TARGET, module)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook's finder goes with the test
+    # only the stand-in: the real controller classes of an SGLang imported here stay unpatched
+    monkeypatch.setattr(launcher, "TARGETS", {TARGET: launcher.TARGETS[TARGET]})
     seen: list[Any] = []
     monkeypatch.setattr(launcher, "instrument_new_controller", seen.append)
 
