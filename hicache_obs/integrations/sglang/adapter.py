@@ -706,6 +706,8 @@ class Instrumentation:
         # read: no sync), weakly, with the memory they span: a free handed one of them is the
         # evidence of a use after free (IndicesFreed)
         self._held: dict[int, list[_Held]] = {}
+        self._durable: tuple[Callable[[], int], Callable[[], None]] | None = None  # make_findings_durable
+        self._durable_seen = 0
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
 
@@ -727,6 +729,26 @@ class Instrumentation:
         self._errors += 1
         if self._errors == 1 or self._errors % 10000 == 0:
             _log.exception("hicache-obs could not %s (%d errors so far)", what, self._errors)
+
+    def make_findings_durable(self, count: Callable[[], int], flush: Callable[[], None]) -> None:
+        """After each observed call that revealed a finding (``count()``, the findings so far,
+        grew), ``flush()`` runs before the call returns into SGLang: the launcher writes the
+        log to its files then, so a finding is on disk before SGLang's own assertion (which
+        may follow at once) ends the process."""
+        self._durable_seen = count()
+        self._durable = (count, flush)
+
+    def _sync_findings(self) -> None:
+        durable = self._durable
+        if durable is None:
+            return
+        try:
+            n = durable[0]()
+            if n != self._durable_seen:
+                self._durable_seen = n
+                durable[1]()
+        except Exception:
+            self._failed("write the log after a finding")
 
     @property
     def detached(self) -> bool:
@@ -1190,6 +1212,8 @@ class Instrumentation:
                             log.emit(SlotsAllocated, pool=pool, tier=tier, indices=taken)
                     except Exception:
                         failed("record the slots an allocator call took or returned")
+                    if self._durable is not None:
+                        self._sync_findings()
 
             slots.__wrapped__ = original  # type: ignore[attr-defined]
             return slots
@@ -1348,6 +1372,7 @@ class Instrumentation:
                 self._submitted(sub, result, error)
         except Exception:
             self._failed("describe a submission")
+        self._sync_findings()
 
     def _submitted(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         self._merged(sub)
@@ -1452,6 +1477,8 @@ class Instrumentation:
             )
             if ops:
                 self._emit(IndicesFreed, pool=pool, tier=tier, ops=ops, tensor=tensor_ref(freed, pool, "device"))
+        if ops:
+            self._sync_findings()
 
     def _settle_acks(self, sub: _Submission, op_id: int, error: BaseException | None) -> None:
         """A submission's acks await their op's completion; a submission that raised is a
@@ -1492,6 +1519,8 @@ class Instrumentation:
             self.log.emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
         except Exception:
             self._failed("record a TransferCompleted event")
+        if self._durable is not None:
+            self._sync_findings()
 
     def _ack_cleared(self, direction: str, ack: Any) -> None:
         """An ack a queue's ``clear()`` took: a completion where its copy finished (the radix

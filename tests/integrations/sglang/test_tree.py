@@ -11,6 +11,9 @@ before demoting; 0.5.2x too.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,8 +23,10 @@ from hicache_obs.core import ModelSpec
 from hicache_obs.errors import IntegrationError
 from hicache_obs.events import EventLog
 from hicache_obs.events.audit import audit
+from hicache_obs.events.replay import replay
 from hicache_obs.events.schema import AuditViolation, SlotsFreed, TransferCompleted, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
+from hicache_obs.integrations.sglang.server import free_port
 
 pytestmark = pytest.mark.needs_sglang
 
@@ -109,6 +114,46 @@ def test_0_5_12_use_after_free_is_a_finding(unified: None, io_backend: str, layo
     sub, _, _ = _first_write_back(r.events())
     found = [(f.rule, f.pool, f.role, f.direction, f.op) for f in audit(r.events()) if f.rule == "slot_not_allocated"]
     assert ("slot_not_allocated", "kv", "device", "d2h", sub.op) in found
+
+
+CRASHING = """
+import os, sys
+from hicache_obs.core import ModelSpec
+from hicache_obs.integrations.sglang.tree import build_tree
+
+tree = build_tree(ModelSpec.tiny(), io_backend=sys.argv[1], layout=sys.argv[2], device_size=128)
+try:
+    for tokens in WORKLOAD:
+        tree.serve(tokens)
+except AssertionError:
+    print("sglang-assertion", flush=True)
+    os._exit(3)  # as a crashed scheduler is killed: no atexit, nothing written after this
+"""
+
+
+@pytest.mark.skipif(release_tuple()[:3] != (0, 5, 12), reason="SGLang 0.5.12's write-back demotion (PR #24585)")
+@pytest.mark.parametrize("io_backend,layout", [BACKENDS[0], BACKENDS[2]])
+def test_the_finding_is_on_disk_before_sglangs_assertion_ends_the_process(
+    unified: None, io_backend: str, layout: str, tmp_path: Path
+) -> None:
+    """Under ``hicache-obs instrument`` (the controller instrumented as SGLang builds it, the
+    tree's allocator methods taken before), a process that dies right after SGLang's assertion
+    leaves the finding in its log files."""
+    script = f"WORKLOAD = {WORKLOAD!r}\n" + CRASHING
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hicache_obs", "instrument", "--metrics-port", str(free_port()), "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--", sys.executable, "-W", "ignore", "-c", script, io_backend, layout],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 3 and "sglang-assertion" in proc.stdout, proc.stderr[-3000:]
+    res = replay(out)
+    live = [(v.rule, v.pool, v.role, v.direction) for v in res.events if isinstance(v, AuditViolation)]
+    assert ("slot_not_allocated", "kv", "device", "d2h") in live, live
+    found = {(f.rule, f.pool, f.role, f.direction) for f in audit(res.events) if f.rule != "incomplete_operation"}
+    assert found == {("slot_not_allocated", "kv", "device", "d2h")}
 
 
 @pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
