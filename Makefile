@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test test-pure lint typecheck check bench venv clean sglang sglang-server sglang-clean sanitize
+.PHONY: sglang-check demo test test-pure lint typecheck check bench venv clean sglang sglang-server sglang-clean sanitize
 
 venv: $(STAMP)
 
@@ -113,6 +113,32 @@ $(SGLANG_DIR)/%/.server-installed: $(SGLANG_REQS)/server-%.txt $(SGLANG_DIR)/%/.
 	  PYTHONPATH=hicache_obs/integrations/sglang/_cpu_boot $(SGLANG_DIR)/$*/bin/python -W ignore -c \
 	  'import sglang.srt.entrypoints.http_server, sglang.srt.models.llama, sglang.srt.models.lfm2, sglang.srt.models.nemotron_h; print("sglang server imports")'
 	touch $@
+
+# Any other SGLang release, one at a time, for a maintainer: `make sglang-check RELEASE=0.5.18`
+# installs it into $(SGLANG_DIR)/check-<release>/ over the pinned set of CHECK_BASE (the same
+# packages, only sglang replaced) and runs the SGLang tests there (the real-server tests skip:
+# no server packages). A release that needs other packages fails at its import check, naming
+# the module: add them with CHECK_EXTRA="name==version ...". To pin a release for good, give it
+# its own requirements file and add it to SGLANG_RELEASES.
+RELEASE ?=
+CHECK_BASE ?= 0.5.23
+CHECK_EXTRA ?=
+
+sglang-check: | $(STAMP)
+	@test -n "$(RELEASE)" || { echo "usage: make sglang-check RELEASE=0.5.18 [CHECK_BASE=0.5.23]" >&2; exit 2; }
+	rm -rf $(SGLANG_DIR)/check-$(RELEASE)
+	$(PY) -m venv --without-pip $(SGLANG_DIR)/check-$(RELEASE)
+	sed 's/^sglang==.*/sglang==$(RELEASE)/' $(SGLANG_REQS)/sglang-$(CHECK_BASE).txt > $(SGLANG_DIR)/check-$(RELEASE)/requirements.txt
+	for pin in $(CHECK_EXTRA); do echo "$$pin" >> $(SGLANG_DIR)/check-$(RELEASE)/requirements.txt; done
+	$(PIP) --python $(SGLANG_DIR)/check-$(RELEASE)/bin/python install -q --no-deps --only-binary=:all: $(SGLANG_PIP_ARGS) \
+	  -r $(SGLANG_DIR)/check-$(RELEASE)/requirements.txt
+	main=$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  rel=$$($(SGLANG_DIR)/check-$(RELEASE)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+	  echo "import site; site.addsitedir('$$main')" > "$$rel/$(SGLANG_PTH)"
+	$(SGLANG_DIR)/check-$(RELEASE)/bin/python -W ignore -c \
+	  'from hicache_obs.integrations.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
+	HICACHE_REQUIRE_SGLANG=1 $(SGLANG_DIR)/check-$(RELEASE)/bin/python -m pytest -q -p no:cacheprovider \
+	  $(SGLANG_TESTS) --ignore=$(SGLANG_TESTS)/test_kernels.py $(PYTEST_ARGS)
 
 sglang-clean:
 	rm -rf $(SGLANG_DIR)
