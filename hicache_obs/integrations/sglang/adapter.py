@@ -369,6 +369,14 @@ def _detect(c: Any) -> _Shape:
                 )
     elif host is not None:
         pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
+    physical = {D2H: "backup_from_device_all_layer_physical", H2D: "load_to_device_per_layer_physical"}
+    plain = {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
+    if (
+        copy == physical
+        and pools
+        and not any(callable(getattr(p.host, m, None)) for p in pools for m in physical.values())
+    ):
+        copy = plain  # an L2 transfer engine over host pools that copy by the older names
     for p in pools:
         for meth in copy.values():
             if not callable(getattr(p.host, meth, None)):

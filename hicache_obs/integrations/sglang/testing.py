@@ -829,7 +829,9 @@ def _host_pools(
 ) -> tuple[Any, Any]:
     mha = _module(f"{_POOL_HOST}.mha")
     if mha is not None and hasattr(mha, "get_mha_host_pool_cls"):
-        host_cls = mha.get_mha_host_pool_cls(kv_pool.get_device_pool_infos()[0].buffer_info)
+        pick = mha.get_mha_host_pool_cls  # given the device pool, or (later) its buffer description
+        takes_pool = next(iter(inspect.signature(pick).parameters), "") == "device_pool"
+        host_cls = pick(kv_pool if takes_pool else kv_pool.get_device_pool_infos()[0].buffer_info)
     else:
         host_cls = _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost")
     kv_host = _host_pool(
