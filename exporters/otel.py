@@ -10,7 +10,8 @@ observed ``TransferCompleted``/``TransferFailed``). Attributes (exactly these):
 ``hicache.op_id``, ``hicache.direction``, ``hicache.io_backend``, ``hicache.layout``,
 ``hicache.pools`` (list of str), ``hicache.slots`` (int, all pools), ``hicache.bytes``,
 ``hicache.node_count``, ``hicache.unrecorded_indices`` (int, always set, 0 when clean)
-and ``hicache.unrecorded_pools`` (list of str).
+and ``hicache.unrecorded_pools`` (list of str); ``hicache.omitted_pools`` (list of str, empty
+when clean): pools registered to move with the op's slots that it left out (``pool_omitted``).
 
 Span events: ``hicache.indices_moved`` per ``IndicesMoved`` (the moves happen just
 before submission, so these events may precede the span's start),
@@ -98,6 +99,7 @@ SPAN_ATTRIBUTES = (
     "hicache.node_count",
     "hicache.unrecorded_indices",
     "hicache.unrecorded_pools",
+    "hicache.omitted_pools",
 )
 
 _INCOMPLETE = "incomplete_operation: submitted but never completed or failed"
@@ -150,6 +152,7 @@ def span_attributes(rec: OpRecord) -> dict[str, Any]:
         "hicache.node_count": rec.node_count,
         "hicache.unrecorded_indices": rec.unrecorded_indices,
         "hicache.unrecorded_pools": list(rec.unrecorded_pools),
+        "hicache.omitted_pools": list(rec.omitted_pools),
     }
 
 
@@ -463,6 +466,7 @@ class OtelSpanSink:
             return
         span.set_attribute("hicache.unrecorded_indices", rec.unrecorded_indices)
         span.set_attribute("hicache.unrecorded_pools", list(rec.unrecorded_pools))
+        span.set_attribute("hicache.omitted_pools", list(rec.omitted_pools))
         desc = rec.error_description()
         if incomplete:
             desc = f"{_INCOMPLETE}; {desc}" if desc else _INCOMPLETE

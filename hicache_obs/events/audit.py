@@ -16,7 +16,10 @@ Rules (each finding names op, pool, role, stream and what was wrong):
   read: no sync), an ``IndicesFreed`` is the evidence: the tensor freed holds the
   indices the op received;
 - ``double_free``: slots freed that were already free;
-- ``incomplete_operation``: an op submitted but never completed or failed, at log end.
+- ``incomplete_operation``: an op submitted but never completed or failed, at log end;
+- ``pool_omitted``: an op moved a pool but not a pool the controller registers to move
+  with that pool's slots (``TransferSubmitted.sidecar_pools``: a draft model's KV), so that
+  pool's data is never backed up, or stale after the load (SGLang #27953).
 
 Live: ``Auditor().attach(log)`` is a stage of the log (``EventLog.add_stage``): it sees
 each event before it is stored, and each finding becomes an ``AuditViolation`` stored
@@ -99,6 +102,7 @@ RULES = (
     "slot_not_allocated",
     "double_free",
     "incomplete_operation",
+    "pool_omitted",
 )
 
 
@@ -699,6 +703,21 @@ class Auditor:
                             direction=ev.direction,
                             seq=ev.seq,
                         )
+        for pool, shares in ev.sidecar_pools:
+            if shares in by_pool and pool not in by_pool:
+                self._report(
+                    "pool_omitted",
+                    pool,
+                    "*",
+                    ev.op,
+                    ev.rank,
+                    f"{ev.direction} op {ev.op} moved pool {shares!r} but not pool {pool!r}, which the "
+                    f"controller registers to move with {shares!r}'s slots: its data is "
+                    + ("never backed up" if ev.direction == "d2h" else "stale after this load"),
+                    stream=ev.stream,
+                    direction=ev.direction,
+                    seq=ev.seq,
+                )
         for pool, roles in by_pool.items():
             h, d = roles.get("host"), roles.get("device")
             if h is not None and d is not None and h != d:

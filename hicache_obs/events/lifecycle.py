@@ -67,6 +67,7 @@ from .schema import (
 __all__ = [
     "PHASES",
     "UNRECORDED_RULE",
+    "OMITTED_RULE",
     "NOT_OP_EVENTS",
     "OpKey",
     "OpRecord",
@@ -80,6 +81,7 @@ PHASES = ("queued", "merged", "submitted", "completed", "failed")
 
 #: The auditor's rule for an index tensor used on a stream without ``record_stream``.
 UNRECORDED_RULE = "unrecorded_index"
+OMITTED_RULE = "pool_omitted"
 
 #: Event types that never touch an operation: :meth:`OpLifecycles.apply` returns None for them.
 NOT_OP_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed})
@@ -212,6 +214,11 @@ class OpRecord:
     @property
     def unrecorded_pools(self) -> list[str]:
         return sorted({v.pool for v in self.violations if v.rule == UNRECORDED_RULE})
+
+    @property
+    def omitted_pools(self) -> list[str]:
+        """Pools registered to move with this op's slots that it did not move (``pool_omitted``)."""
+        return sorted({v.pool for v in self.violations if v.rule == OMITTED_RULE})
 
     def error_description(self) -> str | None:
         """What went wrong (failure and/or audit findings), or None for a clean op."""

@@ -186,6 +186,10 @@ class TransferSubmitted(Event, frozen=True, kw_only=True):
     # pools whose copy of this op takes its host indices on the CPU by design (SGLang's staged
     # write-back kernels address host pages from the CPU), as the host pool said at the copy call
     host_indices_on_cpu: tuple[str, ...] = ()
+    # pools the controller registers to move with another pool's slots, as (pool, the pool
+    # whose slots it shares): a draft model's KV moves with the target's; an op that moves the
+    # second must move the first (rule ``pool_omitted``)
+    sidecar_pools: tuple[tuple[str, str], ...] = ()
 
 
 class TransferCompleted(Event, frozen=True, kw_only=True):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 from event_workloads import fill, hybrid_round_trip, run_workload
 
 from hicache_obs.core import ModelSpec, PoolTransfer
-from hicache_obs.events import AuditViolation
+from hicache_obs.events import AuditViolation, TransferSubmitted
 from hicache_obs.events.audit import RULES, Auditor, Finding, audit
 from hicache_obs.testing import make_controller
 
@@ -137,6 +138,18 @@ def test_every_rule_is_covered_by_a_fault() -> None:
     c, _ = _audited(None)
     c.write(c.alloc_device(32), node_id=0, pool_transfers=[])
     seen |= {f.rule for f in audit(c.log.events())}
+    # this controller registers no pool that moves with another's slots; SGLang's does (a draft
+    # model's KV: tests/integrations/sglang/test_draft_pools.py): the same ops, saying it had one
+    c, _ = _audited(None)
+    _hybrid_round_trip(c)
+    events = [
+        msgspec.structs.replace(e, sidecar_pools=(("draft", "kv"),)) if isinstance(e, TransferSubmitted) else e
+        for e in c.log.events()
+        if not isinstance(e, AuditViolation)
+    ]
+    omitted = [f for f in audit(events) if f.rule == "pool_omitted"]
+    assert {(f.pool, f.direction) for f in omitted} == {("draft", "d2h"), ("draft", "h2d")}
+    seen |= {f.rule for f in omitted}
     assert seen == set(RULES)
 
 

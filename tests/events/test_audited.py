@@ -10,7 +10,7 @@ import pytest
 from event_workloads import hybrid_round_trip
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.events import AuditViolation, TransferCompleted
+from hicache_obs.events import AuditViolation, EventLog, TransferCompleted, TransferSubmitted
 from hicache_obs.events.audit import RULES, Auditor, audit, audit_batch, audited
 from hicache_obs.events.schema import Event
 from hicache_obs.testing import make_controller
@@ -28,17 +28,37 @@ SCENARIOS: dict[str, tuple[Any, str]] = {
     "use-after-free": (lambda c: hybrid_round_trip(c, evict_host_first=True), "slot_not_allocated"),
     "double-free": (lambda c: hybrid_round_trip(c, evict_host_first=True, double_evict=True), "double_free"),
     "incomplete": (_unfinished_write, "incomplete_operation"),
+    "omitted-sidecar": (hybrid_round_trip, "pool_omitted"),
 }
 
 
 def _live_log(fault: str) -> list[Event]:
     """A log with its violations logged by a live auditor (after the events that revealed them)."""
     scenario, _ = SCENARIOS[fault]
+    if fault == "omitted-sidecar":
+        return _sidecar_log()
     c = make_controller(fault=None if fault == "incomplete" else fault, device_size=512, io_backend="kernel")
     auditor = Auditor().attach(c.log)
     scenario(c)
     auditor.finish()  # logs the end-of-log findings too
     return list(c.log.events())
+
+
+def _sidecar_log() -> list[Event]:
+    """Our controller registers no pool that moves with another's slots (SGLang's does: a draft
+    model's KV): its clean round trip, emitted into a live-audited log saying it had one."""
+    c = make_controller(device_size=512, io_backend="kernel")
+    hybrid_round_trip(c)
+    log = EventLog()
+    auditor = Auditor().attach(log)
+    for e in c.log.events():
+        fields = msgspec.structs.asdict(e)
+        del fields["seq"], fields["ts_ns"], fields["rank"]
+        if isinstance(e, TransferSubmitted):
+            fields["sidecar_pools"] = (("draft", "kv"),)
+        log.emit(type(e), **fields)
+    auditor.finish()
+    return list(log.events())
 
 
 def _violations_before(events: list[Event]) -> list[Event]:

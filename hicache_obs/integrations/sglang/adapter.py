@@ -309,6 +309,9 @@ class _Shape:
     copy: dict[str, str]  # direction -> host pool method name
     io_backend: str
     layout: str
+    # host pool group entries that move with the anchor's slots (no device allocator of their
+    # own: a draft model's KV), by pool name -> host pool
+    sidecars: dict[str, Any] = field(default_factory=dict)
 
 
 def _detect(c: Any) -> _Shape:
@@ -345,6 +348,7 @@ def _detect(c: Any) -> _Shape:
         missing.append("move_indices")
     host = getattr(c, "mem_pool_host", None)
     pools: list[_PoolHooks] = []
+    sidecars: dict[str, Any] = {}
     allocator = getattr(c, "mem_pool_device_allocator", None)
     allocator = getattr(allocator, "full_attn_allocator", allocator)
     entries = getattr(host, "entries", None)
@@ -363,6 +367,8 @@ def _detect(c: Any) -> _Shape:
                 pools.append(
                     _PoolHooks(name, entry.host_pool, owner if owner is not None else entry.device_pool, hooks)
                 )
+            elif _is_sidecar(entry):
+                sidecars[name] = entry.host_pool
             else:
                 pools.append(
                     _PoolHooks(name, entry.host_pool, entry.device_pool, [(entry.device_pool, "alloc", "free")])
@@ -384,11 +390,40 @@ def _detect(c: Any) -> _Shape:
         for obj, a, f, what in [(p.host, "alloc", "free", "host")] + [(*h, "device") for h in p.device_hooks]:
             if not (callable(getattr(obj, a, None)) and callable(getattr(obj, f, None))):
                 missing.append(f"{a}/{f} of pool {p.name!r} ({what}: {type(obj).__name__})")
+    draft = getattr(c, "mem_pool_host_draft", None)
+    if getattr(c, "has_draft", False) and draft is not None:  # 0.5.12, 0.5.13: set_draft_kv_pool
+        sidecars[DRAFT] = draft
+    for name, pool in sidecars.items():
+        if not all(callable(getattr(pool, m, None)) for m in _copy_names(pool, copy).values()):
+            missing.append(f"the copy methods of pool {name!r} ({type(pool).__name__})")
     if missing:
         raise IntegrationError(
             f"cannot instrument {type(c).__module__}.{type(c).__name__}: it lacks " + "; ".join(missing)
         )
-    return _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")))
+    shape = _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")))
+    shape.sidecars = sidecars
+    return shape
+
+
+#: The pool name of a draft model's KV registered with ``set_draft_kv_pool`` (SGLang 0.5.12, 0.5.13).
+DRAFT = "draft"
+
+
+def _is_sidecar(entry: Any) -> bool:
+    """A host pool group entry that moves with the anchor's slots: its device side has no
+    allocator of its own (SGLang 0.5.23's draft KV entry, filled from the KV indices)."""
+    device = getattr(entry, "device_pool", None)
+    return getattr(entry, "device_alloc_fn", None) is None and not (
+        callable(getattr(device, "alloc", None)) and callable(getattr(device, "free", None))
+    )
+
+
+def _copy_names(pool: Any, copy: dict[str, str]) -> dict[str, str]:
+    """The copy methods of a host pool by direction: the controller's names where the pool has
+    them, else the plain ones (a base-class draft copy)."""
+    if all(callable(getattr(pool, m, None)) for m in copy.values()):
+        return copy
+    return {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
 
 
 def _slot_calls(allocator: Any) -> list[str]:
@@ -716,6 +751,7 @@ class Instrumentation:
         self._held: dict[int, list[_Held]] = {}
         self._durable: tuple[Callable[[], int], Callable[[], None]] | None = None  # make_findings_durable
         self._durable_seen = 0
+        self._sidecars: dict[str, Any] = {}  # pool -> host pool: moves with the anchor's slots
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
 
@@ -877,6 +913,12 @@ class Instrumentation:
         self._wrap(c, "start_loading", self._submission_wrapper(H2D))
         for name in shape.move:
             self._wrap(c, name, self._move_wrapper(shape.move_takes_op))
+        for name, pool in shape.sidecars.items():
+            self._add_sidecar(name, pool)
+        if callable(getattr(c, "set_draft_kv_pool", None)):
+            self._wrap(c, "set_draft_kv_pool", self._registration_wrapper)
+        if callable(getattr(c, "register_host_pool_entry", None)):
+            self._wrap(c, "register_host_pool_entry", self._registration_wrapper)
         for p in shape.pools:
             for meth in shape.copy.values():
                 self._wrap(p.host, meth, self._copy_wrapper(p.name, p.host))
@@ -913,6 +955,42 @@ class Instrumentation:
                     self._wrap(obj, free_attr, self._held_free_wrapper(b.name))
             for holder, key, _ in places:
                 self._rebind(holder, key, b.device.free)
+
+    def _add_sidecar(self, name: str, pool: Any) -> None:
+        """A pool that moves with the anchor's slots: its copies are uses of the op (wrapped
+        once per pool object), and every op names it in ``sidecar_pools``."""
+        if self._sidecars.get(name) is pool:
+            return
+        self._sidecars[name] = pool
+        for meth in _copy_names(pool, self._shape.copy).values():
+            self._wrap(pool, meth, self._copy_wrapper(name, pool))
+
+    def _registration_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """``set_draft_kv_pool`` (0.5.12, 0.5.13) or ``register_host_pool_entry`` (0.5.2x):
+        a pool registered after the controller was built (the scheduler adds a draft model's
+        KV then); a sidecar among them is followed from its next op on."""
+
+        def register(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            try:
+                with self._lock:
+                    self._follow_registered()
+            except Exception:
+                self._failed("follow a pool registered with the controller")
+            return out
+
+        register.__wrapped__ = original  # type: ignore[attr-defined]
+        return register
+
+    def _follow_registered(self) -> None:
+        c = self.controller
+        draft = getattr(c, "mem_pool_host_draft", None)
+        if getattr(c, "has_draft", False) and draft is not None:
+            self._add_sidecar(DRAFT, draft)
+        anchor = getattr(c.mem_pool_host, "anchor_entry", None)
+        for entry in getattr(c.mem_pool_host, "entries", None) or ():
+            if entry is not anchor and _is_sidecar(entry):
+                self._add_sidecar(_pool_name(entry.name), entry.host_pool)
 
     def _watch_slots(
         self,
@@ -1390,12 +1468,14 @@ class Instrumentation:
         stream = getattr(owner, attr)
         stream_name = self._stream_name(stream)
         refs: list[TensorRef] = []
-        by_id: dict[int, tuple[str, str, TensorRef]] = {}
+        # a tensor several pools' copies received (a draft pool copies with the KV indices)
+        # is recorded for each of them
+        by_id: dict[int, list[tuple[str, str, TensorRef]]] = {}
         for (pool, role), t in sub.uses.items():
             ref = tensor_ref(t, pool, role)
             refs.append(ref)
-            by_id[id(t)] = (pool, role, ref)
-        by_ptr: dict[tuple[int, int], tuple[str, str, TensorRef]] | None = None  # built if a record needs it
+            by_id.setdefault(id(t), []).append((pool, role, ref))
+        by_ptr: dict[tuple[int, int], list[tuple[str, str, TensorRef]]] | None = None  # built if a record needs it
         slots = self._slots_by_pool(op) if op is not None else ()
         log = self.log
         for pool, role, src, dst, ref in sub.side_moves:
@@ -1426,24 +1506,28 @@ class Instrumentation:
             producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
             device=self._device,
             host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
+            sidecar_pools=tuple((name, ANCHOR) for name in sorted(self._sidecars)),
         )
         if error is None:
             self._hold(sub, op_id, refs)
         for tensor, rec_stream in sub.records:
-            hit = by_id.get(id(tensor))
-            if hit is None:  # the same memory seen through another tensor object
+            hits = by_id.get(id(tensor))
+            if hits is None:  # the same memory seen through another tensor object
                 if by_ptr is None:
-                    by_ptr = {(h[2].ptr, h[2].numel): h for h in by_id.values()}
+                    by_ptr = {}
+                    for group in by_id.values():
+                        for h in group:
+                            by_ptr.setdefault((h[2].ptr, h[2].numel), []).append(h)
                 key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
-                hit = by_ptr.get(key)
-            if hit is None:
+                hits = by_ptr.get(key)
+            if hits is None:
                 continue  # a tensor no copy of this op received
-            pool, role, ref = hit
             name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
-            try:
-                log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=name, tensor=ref)
-            except Exception:
-                self._failed("record a StreamRecorded event")
+            for pool, role, ref in hits:
+                try:
+                    log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=name, tensor=ref)
+                except Exception:
+                    self._failed("record a StreamRecorded event")
         self._settle_acks(sub, op_id, error)
 
     def _hold(self, sub: _Submission, op_id: int, refs: list[TensorRef]) -> None:

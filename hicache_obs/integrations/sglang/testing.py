@@ -546,22 +546,109 @@ class SGLangHarness:
             if callable(destroy):
                 destroy()
 
-    # --------------------------------------------------------- driving
-    def write(self, kv: torch.Tensor, mamba: torch.Tensor | None = None, *, node_id: int = -1) -> tuple[Any, Any]:
-        """``controller.write`` of ``kv`` (and one Mamba transfer); returns (host KV indices, transfer)."""
-        if mamba is None:
-            return self.controller.write(kv, node_id=node_id), None
-        t = self.mamba_transfer(device_indices=mamba)
-        host = self.controller.write(kv, node_id=node_id, extra_pools=[t])
-        return host, t
+    # ------------------------------------------------------ a draft model
+    def add_draft(self) -> Any:
+        """A one-layer draft model's KV pool (speculative decoding), registered with the
+        controller as the release's scheduler does: ``set_draft_kv_pool`` with a host pool of
+        its own (0.5.12, 0.5.13), or a ``DRAFT`` host pool group entry that takes the KV
+        indices (0.5.2x's sidecar; :meth:`write` and :meth:`load` then name it in each op, as
+        the tree does). Returns the draft device pool."""
+        spec, c = self.spec, self.controller
+        mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+        draft = mp.MHATokenToKVPool(
+            **_kw(
+                mp.MHATokenToKVPool.__init__,
+                size=self.kv_pool.size,
+                page_size=spec.page_size,
+                dtype=spec.dtype,
+                head_num=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                layer_num=1,
+                device="cpu" if self.device == "cpu" else self.device,
+                enable_memory_saver=False,
+                enable_alt_stream=False,
+            )
+        )
+        primary = c.mem_pool_host
+        if callable(getattr(c, "set_draft_kv_pool", None)):
+            host = _host_pool(
+                _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost"),
+                draft,
+                primary.size / draft.size,
+                0,
+                spec.page_size,
+                self.layout,
+                pin_memory=self.device == "cuda",
+            )
+            register: Any = lambda: c.set_draft_kv_pool(draft, host)  # noqa: E731
+        elif callable(getattr(c, "register_host_pool_entry", None)):
+            asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+            # SGLang's own inputs for a draft host pool (build_full_draft_pools uses them)
+            cls, first, kw = getattr(asm, "_mha_host_inputs")(draft)  # noqa: B009
+            host = cls(
+                first,
+                host_to_device_ratio=primary.logical_size / draft.size,
+                host_size=0,
+                page_size=spec.page_size,
+                layout=self.layout,
+                pin_memory=self.device == "cuda",
+                pool_label="draft",
+                host_token_capacity=primary.logical_size,
+                **{k: v for k, v in kw.items() if v is not None},
+            )
+            entry = asm.build_pool_entry(
+                name=self.pool_name.DRAFT,
+                host_pool=host,
+                device_pool=draft,
+                layer_mapping={i: i for i in range(draft.layer_num)},
+                transfer_layer_id_max=host.layer_num,
+            )
+            self.extras["draft_transfer"] = True
+            register = lambda: c.register_host_pool_entry(entry)  # noqa: E731
+        else:
+            raise IntegrationError(f"SGLang {sglang_version()}: the controller takes no draft KV pool")
+        if self.device == "cpu":
+            draft.device = "cuda"
+        from . import kernels
 
-    def load(self, host: torch.Tensor, mamba_host: torch.Tensor | None = None, *, node_id: int = -1) -> tuple[Any, Any]:
-        """``controller.load`` (queued); returns (device KV indices, transfer)."""
-        if mamba_host is None:
+        for t in _tensors_of(draft) + _tensors_of(host):
+            if (t.numel() and t.dtype not in (torch.int64, torch.uint64)) or t.dim() > 1:
+                kernels.register_buffers(t)
+        register()
+        self.extras["draft"] = draft
+        return draft
+
+    def draft_layers(self) -> list[torch.Tensor]:
+        draft = self.extras["draft"]
+        return list(draft.k_buffer) + list(draft.v_buffer)
+
+    def _extra_pools(self, mamba: Any, *, omit_draft: bool) -> list[Any]:
+        pools = [] if mamba is None else [mamba]
+        if self.extras.get("draft_transfer") and not omit_draft:
+            pools.append(self.pool_transfer(name=self.pool_name.DRAFT, indices_from_pool=self.pool_name.KV))
+        return pools
+
+    # --------------------------------------------------------- driving
+    def write(
+        self, kv: torch.Tensor, mamba: torch.Tensor | None = None, *, node_id: int = -1, omit_draft: bool = False
+    ) -> tuple[Any, Any]:
+        """``controller.write`` of ``kv`` (and one Mamba transfer; the draft pool's, where it
+        is a sidecar, unless ``omit_draft``); returns (host KV indices, Mamba transfer)."""
+        t = None if mamba is None else self.mamba_transfer(device_indices=mamba)
+        extra = self._extra_pools(t, omit_draft=omit_draft)
+        if not extra:
+            return self.controller.write(kv, node_id=node_id), None
+        return self.controller.write(kv, node_id=node_id, extra_pools=extra), t
+
+    def load(
+        self, host: torch.Tensor, mamba_host: torch.Tensor | None = None, *, node_id: int = -1, omit_draft: bool = False
+    ) -> tuple[Any, Any]:
+        """``controller.load`` (queued); returns (device KV indices, Mamba transfer)."""
+        t = None if mamba_host is None else self.mamba_transfer(host_indices=mamba_host)
+        extra = self._extra_pools(t, omit_draft=omit_draft)
+        if not extra:
             return self.controller.load(host, node_id=node_id), None
-        t = self.mamba_transfer(host_indices=mamba_host)
-        dev = self.controller.load(host, node_id=node_id, extra_pools=[t])
-        return dev, t
+        return self.controller.load(host, node_id=node_id, extra_pools=extra), t
 
     def reap(self, *, wait: bool = False) -> int:
         """Take every finished ack off both ack queues, in FIFO order, as the radix cache does;

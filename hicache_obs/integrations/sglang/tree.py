@@ -35,6 +35,8 @@ from .testing import (
     _PLAIN,
     SGLangHarness,
     _kv_device,
+    _kw,
+    _mamba_params,
     _module,
     _register_buffers,
     _to_cuda_indices,
@@ -43,7 +45,17 @@ from .testing import (
     sglang_version,
 )
 
-__all__ = ["Served", "TreeHarness", "build_tree", "has_unified_hicache"]
+__all__ = [
+    "HYBRID_TREES",
+    "HybridServed",
+    "HybridTreeHarness",
+    "Served",
+    "TreeHarness",
+    "build_hybrid_tree",
+    "build_tree",
+    "has_unified_hicache",
+    "hybrid_trees",
+]
 
 _URC = "sglang.srt.mem_cache.unified_radix_cache"
 _BASE = "sglang.srt.mem_cache.base_prefix_cache"
@@ -235,9 +247,22 @@ class TreeHarness:
         return bool(torch.equal(self.harness.read_kv(indices), want))
 
 
-def _api() -> SimpleNamespace:
+_SCHEDULER_CALLS = (
+    "match_prefix",
+    "insert",
+    "evict",
+    "inc_lock_ref",
+    "dec_lock_ref",
+    "init_load_back",
+    "ready_to_load_host_cache",
+    "check_hicache_events",
+)
+
+
+def _api(tree: str = "UnifiedRadixCache", module: str = _URC) -> SimpleNamespace:
+    """SGLang's names the driver calls, with the tree class ``tree`` of ``module`` (``api.Tree``)."""
     base = importlib.import_module(_BASE)
-    urc = importlib.import_module(_URC)
+    tree_module = importlib.import_module(module)
     # alloc_token_slots moved from mem_cache/common.py to mem_cache/allocation.py
     common = next(
         (m for m in map(_module, ("sglang.srt.mem_cache.allocation", _COMMON)) if hasattr(m, "alloc_token_slots")),
@@ -253,33 +278,23 @@ def _api() -> SimpleNamespace:
         RadixKey=radix,
         alloc_token_slots=common,
         CacheInitParams=cip,
-        UnifiedRadixCache=urc,
+        **{tree: tree_module},
     )
     missing = [f"{mod.__name__}.{n}" for n, mod in names.items() if getattr(mod, n, None) is None]
     if missing:
         raise IntegrationError(f"SGLang {sglang_version()}: no {', '.join(missing)}; cannot build the tree")
-    api = SimpleNamespace(**{n: getattr(mod, n) for n, mod in names.items()}, ComponentType=_component_types())
+    api = SimpleNamespace(**{n: getattr(mod, n) for n, mod in names.items()})
+    api.Tree = getattr(api, tree)
+    # the component trees' (UnifiedRadixCache's) ComponentType; HiMambaRadixCache has none
+    api.ComponentType = _component_types() if tree == "UnifiedRadixCache" else None
     # 0.5.2x's RadixKey holds an array('q'); earlier ones a list
     token_ids = inspect.signature(api.RadixKey).parameters.get("token_ids")
     api.array_keys = token_ids is not None and "array" in str(token_ids.annotation)
     match_fields = getattr(base.MatchResult, "_fields", None) or [f.name for f in dataclasses.fields(base.MatchResult)]
     if "device_indices" not in match_fields:
-        _required(api.UnifiedRadixCache, ("path_device_indices",), "UnifiedRadixCache (its match gives no indices)")
-    _required(
-        api.UnifiedRadixCache,
-        (
-            "init_hicache",
-            "match_prefix",
-            "insert",
-            "evict",
-            "inc_lock_ref",
-            "dec_lock_ref",
-            "init_load_back",
-            "ready_to_load_host_cache",
-            "check_hicache_events",
-        ),
-        "UnifiedRadixCache",
-    )
+        _required(api.Tree, ("path_device_indices",), f"{tree} (its match gives no indices)")
+    _required(api.Tree, ("init_hicache",) * (tree == "UnifiedRadixCache") + _SCHEDULER_CALLS, tree)
+    api.load_back_fields = {f.name for f in dataclasses.fields(api.InitLoadBackParams)}
     return api
 
 
@@ -314,18 +329,31 @@ def _server_args(spec: ModelSpec, io_backend: str, layout: str, write_policy: st
     return args
 
 
-def _cache_params(api: SimpleNamespace, allocator: Any, page_size: int) -> Any:
+def _cache_params(
+    api: SimpleNamespace,
+    allocator: Any,
+    page_size: int,
+    *,
+    req_to_token_pool: Any = None,
+    components: tuple[Any, ...] | None = None,
+    **optional: Any,
+) -> Any:
+    """SGLang's ``CacheInitParams``. ``components`` None: a tree without components (the
+    ``HiMambaRadixCache``); ``optional``: fields set only where the release has them."""
     cls = api.CacheInitParams
     params = inspect.signature(cls).parameters
     kw: dict[str, Any] = dict(
         disable=False,
-        req_to_token_pool=None,  # only the request paths read it; the driver inserts directly
+        # a KV-only tree's request paths read it only; the driver inserts directly
+        req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=page_size,
-        tree_components=(api.ComponentType.FULL,),
     )
+    if components is not None:
+        kw["tree_components"] = components
     if "tree_core_backend" in params:
         kw["tree_core_backend"] = "python"  # SGLang's Python tree core (a Rust one may be selected by default)
+    kw.update({k: v for k, v in optional.items() if k in params})
     missing = [k for k in kw if k not in params]
     if missing:
         raise IntegrationError(f"SGLang {sglang_version()}: CacheInitParams takes no {', '.join(missing)}")
@@ -377,7 +405,7 @@ def build_tree(
     kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod, "cpu")
     kv_pool.device = "cuda"
     _to_cuda_indices(allocator)
-    params = _cache_params(api, allocator, spec.page_size)
+    params = _cache_params(api, allocator, spec.page_size, components=(api.ComponentType.FULL,))
     tree = api.UnifiedRadixCache(params)
     with _host_registration_stand_in():
         tree.init_hicache(_server_args(spec, io_backend, layout, write_policy, host_ratio), params)
@@ -400,3 +428,366 @@ def build_tree(
     )
     _register_buffers(h)
     return TreeHarness(tree, h, api)
+
+
+# ------------------------------------------------------------------ hybrid (KV + Mamba)
+_HI_MAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache"
+_ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
+HYBRID_TREES = ("unified", "hi_mamba")
+"""The trees :func:`build_hybrid_tree` builds: ``UnifiedRadixCache`` with a Mamba component
+(``init_hicache``), ``HiMambaRadixCache``."""
+
+
+def hybrid_trees() -> tuple[str, ...]:
+    """The hybrid Mamba trees with HiCache the installed SGLang has, the scheduler's choice first."""
+    prepare("cpu")
+    found = []
+    components = next((m for m in map(_module, _COMPONENT_TYPES) if hasattr(m, "ComponentType")), None)
+    assembler = _module(_ASSEMBLER)
+    if (
+        has_unified_hicache()
+        and hasattr(getattr(components, "ComponentType", None), "MAMBA")
+        and callable(getattr(assembler, "attach_hybrid_pool_to_unified_cache", None))
+    ):
+        found.append("unified")
+    if isinstance(getattr(_module(_HI_MAMBA), "HiMambaRadixCache", None), type):
+        found.append("hi_mamba")
+    return tuple(found)
+
+
+class _Req:
+    """What the hybrid trees read of a ``Req`` while it is matched, loaded back and cached:
+    its Mamba slot and copy-on-write source, on the request (0.5.1x) or on ``req.kv`` (0.5.2x)."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.kv = self
+        self.mamba_pool_idx: torch.Tensor | None = None
+        self.mamba_cow_src_index: torch.Tensor | None = None
+        self.mamba_needs_clear = False
+        self.mamba_ping_pong_track_buffer = None
+        self.last_node: Any = None
+        self.lock = None
+        self.extra_key = None
+        self.session = None  # no streaming session
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+
+    @property
+    def holds_mamba(self) -> bool:
+        return self.mamba_pool_idx is not None
+
+
+def _prefix_state(tokens: Sequence[int], shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """The Mamba state after ``tokens``, one tensor per state buffer: a function of the whole prefix."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tokens:
+        h.update(int(t).to_bytes(8, "little", signed=True))
+    seed = int.from_bytes(h.digest(), "little") & (2**62 - 1)
+    return [torch.randn(shape, generator=torch.Generator().manual_seed(seed + i)) for i, shape in enumerate(shapes)]
+
+
+@dataclass
+class HybridServed(Served):
+    """A hybrid request: also whether the Mamba state it started from was its prefix's."""
+
+    mamba_loaded: bool = False
+    mamba_ok: bool = True
+
+
+@dataclass
+class HybridTreeHarness(TreeHarness):
+    """SGLang's hybrid Mamba tree with HiCache, its pools, and the scheduler's calls."""
+
+    kind: str = "unified"
+    req_to_token_pool: Any = None
+
+    @property
+    def mamba_allocator(self) -> Any:
+        return self.harness.mamba_allocator
+
+    def serve(self, tokens: Sequence[int]) -> HybridServed:
+        """One scheduler step for one request of ``tokens`` (page-aligned), prefilled and
+        finished at once: poll events, match (copying the prefix's Mamba state into the
+        request's slot), load back a host hit (KV and Mamba) and read it layer by layer as
+        the forward pass does, allocate (evicting through the tree), write its KV and final
+        Mamba state, insert it with its Mamba slot and release its lock."""
+        api, tree = self.api, self.tree
+        page = self.harness.spec.page_size
+        if not tokens or len(tokens) % page:
+            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
+        self.step()
+        req = _Req(f"req-{len(self.served)}")
+        key = api.RadixKey(array("q", tokens) if api.array_keys else list(tokens))
+        match = tree.match_prefix(api.MatchPrefixParams(key=key, cow_mamba=True, req=req))
+        last_node = req.last_node = match.last_device_node
+        prefix = self._device_prefix(match)
+        device_hit, loaded, mamba_loaded = len(prefix), 0, False
+        if match.host_hit_length > 0 or getattr(match, "mamba_host_hit_length", 0) > 0:
+            req.mamba_host_hit_length = getattr(match, "mamba_host_hit_length", 0)
+            held = req.mamba_pool_idx
+            with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
+                got, last_node = tree.init_load_back(self._load_back_params(match, req))
+            mamba_loaded = req.mamba_pool_idx is not None and req.mamba_pool_idx is not held
+            if isinstance(got, torch.Tensor):
+                loaded, prefix = len(got), torch.cat([prefix, got])
+            else:  # a count, and the tree gives the path's device indices
+                loaded, prefix = int(got), tree.path_device_indices(last_node)
+        self._forward_layers(tree.ready_to_load_host_cache())
+        lock = tree.inc_lock_ref(last_node)
+        if req.mamba_pool_idx is None:  # alloc_req_slots: the request's own Mamba slot
+            req.mamba_pool_idx = self._alloc_mamba()[0]
+        if req.mamba_cow_src_index is not None:  # the forward batch's deferred copy-on-write
+            self.harness.mamba_pool.copy_from(req.mamba_cow_src_index, req.mamba_pool_idx.unsqueeze(0))
+            req.mamba_cow_src_index = None
+        n_new = len(tokens) - len(prefix)
+        new = api.alloc_token_slots(tree, n_new) if n_new else prefix[:0]
+        data_ok = self._check(tokens, prefix)
+        mamba_ok = not len(prefix) or self._check_mamba(tokens[: len(prefix)], req.mamba_pool_idx)
+        self._fill(tokens, len(prefix), new)
+        self._fill_mamba(tokens, req.mamba_pool_idx)
+        indices = torch.cat([prefix, new])
+        # cache_finished_req: insert with the request's Mamba slot; the tree keeps it unless the
+        # node has a state already
+        result = tree.insert(
+            api.InsertParams(
+                key=key,
+                value=indices.to(torch.int64),
+                mamba_value=req.mamba_pool_idx.unsqueeze(-1).clone(),
+                prev_prefix_len=len(prefix),
+            )
+        )
+        if getattr(result, "mamba_exist", False):
+            self.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(0))
+        req.mamba_pool_idx = None
+        tree.dec_lock_ref(last_node, self._dec_params(lock))
+        s = HybridServed(tuple(tokens), indices, device_hit, loaded, n_new, data_ok, mamba_loaded, mamba_ok)
+        self.served.append(s)
+        return s
+
+    # ------------------------------------------------------------------ helpers
+    def _load_back_params(self, match: Any, req: _Req) -> Any:
+        values = dict(
+            last_host_node=match.last_host_node,  # 0.5.10, 0.5.11
+            best_match_node=getattr(match, "best_match_node", None),
+            host_hit_length=match.host_hit_length,
+            req=req,
+        )
+        return self.api.InitLoadBackParams(**{k: v for k, v in values.items() if k in self.api.load_back_fields})
+
+    def _forward_layers(self, producer: int) -> None:
+        """Read each layer's KV or Mamba state through the device pools as the model does, each
+        read waiting on the load back's layer counter."""
+        if producer is None or producer < 0:
+            return
+        self.controller.layer_done_counter.set_consumer(producer)
+        kv = self.allocator.get_kvcache()
+        spec = self.harness.spec
+        for layer in range(spec.num_layers):
+            if layer in spec.mamba_layer_ids:
+                self.req_to_token_pool.mamba2_layer_cache(layer)
+            else:
+                kv.get_key_buffer(layer)
+
+    def _alloc_mamba(self) -> torch.Tensor:
+        slot = self.mamba_allocator.alloc(1)
+        if slot is None:  # the scheduler evicts Mamba states through the tree first
+            self.tree.evict(self.api.EvictParams(num_tokens=0, mamba_num=1))
+            slot = self.mamba_allocator.alloc(1)
+        if slot is None:
+            raise ConfigError("the Mamba device pool has no free slot, the tree evicting none")
+        return slot  # type: ignore[no-any-return]
+
+    def _state_buffers(self) -> list[torch.Tensor]:
+        cache = self.harness.mamba_pool.mamba_cache
+        return [cache.temporal, *cache.conv]  # read_mamba's order
+
+    def _fill_mamba(self, tokens: Sequence[int], slot: torch.Tensor) -> None:
+        bufs = self._state_buffers()
+        with _PLAIN():
+            idx = slot.detach().reshape(1).clone().as_subclass(torch.Tensor).to(torch.int64)
+            for buf, value in zip(bufs, _prefix_state(tokens, [b[:, 0].shape for b in bufs])):
+                buf[:, idx] = value.unsqueeze(1).to(buf.dtype)
+
+    def _check_mamba(self, tokens: Sequence[int], slot: torch.Tensor) -> bool:
+        """Whether the Mamba slot holds the state after ``tokens``."""
+        bufs = self._state_buffers()
+        got = self.harness.read_mamba(slot.reshape(1))
+        want = _prefix_state(tokens, [b[:, 0].shape for b in bufs])
+        return all(torch.equal(g[:, 0], w.to(b.dtype).float()) for g, w, b in zip(got, want, bufs))
+
+
+def _hybrid_device(spec: ModelSpec, device_size: int, mamba_slots: int, max_reqs: int) -> tuple[Any, Any, Any]:
+    """SGLang's device pools for a hybrid Mamba model as its model runner builds them: the
+    request pool with the Mamba pool, the hybrid KV pool over it, and the KV allocator."""
+    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
+    mu = importlib.import_module("sglang.srt.configs.mamba_utils")
+    missing = [n for n in ("HybridReqToTokenPool", "HybridLinearKVPool") if not hasattr(mp, n)]
+    if missing:
+        raise IntegrationError(f"SGLang {sglang_version()}: no {', '.join(missing)} in {mp.__name__}")
+    req_pool = mp.HybridReqToTokenPool(
+        **_kw(
+            mp.HybridReqToTokenPool.__init__,
+            size=max_reqs,
+            mamba_size=mamba_slots,
+            mamba_spec_state_size=max_reqs,
+            max_context_len=device_size,
+            device="cpu",
+            enable_memory_saver=False,
+            cache_params=_mamba_params(spec, mu),
+            mamba_layer_ids=list(spec.mamba_layer_ids),
+            # page_size > 1 needs the extra buffer (MambaRadixCache asserts it); the driver
+            # inserts each request's own state slot, so its ping-pong buffers stay unused
+            enable_mamba_extra_buffer=spec.page_size > 1,
+            speculative_num_draft_tokens=None,
+        )
+    )
+    kv_pool = mp.HybridLinearKVPool(
+        **_kw(
+            mp.HybridLinearKVPool.__init__,
+            size=device_size,
+            dtype=spec.dtype,
+            page_size=spec.page_size,
+            head_num=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            full_attention_layer_ids=list(spec.kv_layer_ids),
+            enable_kvcache_transpose=False,
+            device="cpu",
+            mamba_pool=req_pool.mamba_pool,
+            enable_memory_saver=False,
+        )
+    )
+    if spec.page_size == 1:
+        allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, "cpu", kv_pool, False)
+    else:
+        allocator = alloc_mod.PagedTokenToKVPoolAllocator(
+            **_kw(
+                alloc_mod.PagedTokenToKVPoolAllocator.__init__,
+                size=device_size,
+                page_size=spec.page_size,
+                dtype=spec.dtype,
+                device="cpu",
+                kvcache=kv_pool,
+                need_sort=False,
+            )
+        )
+    return req_pool, kv_pool, allocator
+
+
+def _mamba_chunk_size(args: Any, spec: ModelSpec) -> None:
+    """The Mamba cache chunk a hybrid tree's match reads off the global server arguments
+    (``ServerArgs.mamba_cache_chunk_size`` resolves a model's config otherwise), as SGLang's
+    own unit fixture presets it; the arguments are made the process's global."""
+    mod = importlib.import_module("sglang.srt.server_args")
+    chunk = max(int(getattr(mod, "FLA_CHUNK_SIZE", 64)), spec.page_size)
+    if isinstance(args, SimpleNamespace):
+        args.mamba_cache_chunk_size = chunk
+    else:  # the property's cache, where SGLang's fixture presets it: no public setter
+        vars(args)["_mamba_cache_chunk_size"] = chunk
+    set_global = getattr(mod, "set_global_server_args_for_scheduler", None)
+    if set_global is not None:
+        set_global(args)
+
+
+def build_hybrid_tree(
+    spec: ModelSpec | None = None,
+    *,
+    io_backend: str = "direct",
+    layout: str = "page_first_direct",
+    write_policy: str = "write_through",
+    device_size: int = 128,
+    host_ratio: float = 2.0,
+    mamba_slots: int | None = None,
+    max_reqs: int = 8,
+    tree: str | None = None,
+    load_back_threshold: int | None = 0,
+) -> HybridTreeHarness:
+    """SGLang's hybrid Mamba tree with HiCache for ``spec`` (default ``tiny_hybrid``) on the CPU
+    harness, built through SGLang's own path: ``UnifiedRadixCache`` with a Mamba component and
+    ``init_hicache`` (``tree="unified"``), or ``HiMambaRadixCache`` (``"hi_mamba"``); None: the
+    first of :func:`hybrid_trees`. ``mamba_slots``: the Mamba device pool (default one per page
+    of ``device_size``). ``load_back_threshold`` as in :func:`build_tree`.
+
+    Raises :class:`~hicache_obs.errors.IntegrationError` where the release has no such tree or
+    lacks a part or call the driver needs.
+    """
+    spec = spec or ModelSpec.tiny_hybrid()
+    if io_backend not in ("kernel", "direct"):
+        raise ConfigError(f"io_backend must be 'kernel' or 'direct', got {io_backend!r}")
+    if not spec.mamba_layer_ids or spec.swa_layer_ids:
+        raise ConfigError(f"model {spec.name!r}: the hybrid tree harness builds KV + Mamba models")
+    if device_size <= 0 or device_size % spec.page_size:
+        raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
+    if tree is not None and tree not in HYBRID_TREES:
+        raise ConfigError(f"tree must be one of {', '.join(HYBRID_TREES)}, got {tree!r}")
+    available = hybrid_trees()
+    kind = tree or next(iter(available), None)
+    if kind not in available:
+        missing = {
+            "unified": "UnifiedRadixCache with init_hicache, a Mamba component and attach_hybrid_pool_to_unified_cache",
+            "hi_mamba": f"{_HI_MAMBA}.HiMambaRadixCache",
+        }
+        what = " nor ".join(missing.values()) if kind is None else missing[kind]
+        raise IntegrationError(f"SGLang {sglang_version()} has no {what}: cannot build a hybrid Mamba tree")
+    api = _api("UnifiedRadixCache", _URC) if kind == "unified" else _api("HiMambaRadixCache", _HI_MAMBA)
+    req_pool, kv_pool, allocator = _hybrid_device(
+        spec, device_size, mamba_slots or device_size // spec.page_size, max_reqs
+    )
+    mamba_pool = req_pool.mamba_pool
+    mamba_allocator = getattr(req_pool, "mamba_allocator", None) or mamba_pool  # own allocator from 0.5.13
+    for obj in (kv_pool, kv_pool.full_kv_pool, mamba_pool, req_pool):
+        obj.device = "cuda"
+    _to_cuda_indices(allocator, mamba_allocator)
+    components = (api.ComponentType.FULL, api.ComponentType.MAMBA) if kind == "unified" else None
+    params = _cache_params(
+        api,
+        allocator,
+        spec.page_size,
+        req_to_token_pool=req_pool,
+        components=components,
+        enable_mamba_extra_buffer=req_pool.enable_mamba_extra_buffer,
+    )
+    args = _server_args(spec, io_backend, layout, write_policy, host_ratio)
+    _mamba_chunk_size(args, spec)
+    with _host_registration_stand_in():
+        if kind == "unified":
+            cache = api.Tree(params)
+            cache.init_hicache(args, params)
+        else:
+            cache = api.Tree(params=params, server_args=args)
+    controller = getattr(cache, "cache_controller", None)
+    if controller is None:
+        raise IntegrationError(f"SGLang {sglang_version()}: the {kind} tree built no cache_controller")
+    _use_cpu_streams(controller)
+    if load_back_threshold is not None:
+        cache.load_back_threshold = load_back_threshold
+    kv_host = _kv_host(cache, controller)
+    h = SGLangHarness(
+        spec,
+        controller,
+        kv_pool.full_kv_pool,
+        allocator,
+        kv_host,
+        mamba_pool=mamba_pool,
+        mamba_allocator=mamba_allocator,
+        mamba_host=_mamba_host(cache, controller),
+        io_backend=io_backend,
+        layout=kv_host.layout,
+        release=sglang_version() or "",
+    )
+    _register_buffers(h)
+    return HybridTreeHarness(cache, h, api, kind=kind, req_to_token_pool=req_pool)
+
+
+def _mamba_host(tree: Any, controller: Any) -> Any:
+    """The Mamba host pool SGLang built: the tree's, else the Mamba entry of the host pool group."""
+    pool = getattr(tree, "mamba_pool_host", None)
+    if pool is None:
+        group = controller.mem_pool_host
+        names = importlib.import_module("sglang.srt.mem_cache.hicache_storage").PoolName
+        get_pool = getattr(group, "get_pool", None)
+        pool = get_pool(names.MAMBA) if get_pool else None
+    if pool is None:
+        raise IntegrationError(f"SGLang {sglang_version()}: no Mamba host pool found on the tree or its controller")
+    return pool
