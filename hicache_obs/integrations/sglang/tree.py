@@ -11,6 +11,13 @@ serves one request per scheduler step with SGLang's calls: ``check_hicache_event
 
 Each token's KV rows hold values derived from the token's whole prefix, as a model's would,
 so rows reached by any path (a device hit, a load back, a recompute) can be checked.
+
+:meth:`TreeHarness.add_draft` gives a built tree a draft model's KV pool (speculative
+decoding) registered as the release's scheduler registers it, after the tree built its
+controller: with the controller's ``set_draft_kv_pool`` (0.5.11 to 0.5.13: the scheduler's
+``maybe_register_hicache_draft``), or as a sidecar pool of the tree
+(``UnifiedRadixCache.register_sidecar_pool``, 0.5.2x), which then names the draft's transfer
+in each of its ops. The draft's rows are filled and checked like the KV rows.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from .testing import (
     _mamba_params,
     _module,
     _register_buffers,
+    _tensors_of,
     _to_cuda_indices,
     _use_cpu_streams,
     prepare,
@@ -60,6 +68,7 @@ __all__ = [
 _URC = "sglang.srt.mem_cache.unified_radix_cache"
 _BASE = "sglang.srt.mem_cache.base_prefix_cache"
 _COMMON = "sglang.srt.mem_cache.common"
+_ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 _COMPONENT_TYPES = (
     "sglang.srt.mem_cache.unified_cache_components",
     "sglang.srt.mem_cache.unified_cache.component_type",
@@ -103,9 +112,10 @@ def _component_types() -> Any:
     raise IntegrationError(f"SGLang {sglang_version()}: no ComponentType in {' or '.join(_COMPONENT_TYPES)}")
 
 
-def _prefix_rows(tokens: Sequence[int], start: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The KV rows of ``tokens[start:]``: each a function of the token's whole prefix."""
-    h = hashlib.blake2b(digest_size=8)
+def _prefix_rows(tokens: Sequence[int], start: int, shape: tuple[int, ...], salt: bytes = b"") -> torch.Tensor:
+    """The KV rows of ``tokens[start:]``: each a function of the token's whole prefix (and of
+    ``salt``: another model's rows, a draft's, differ from the target's)."""
+    h = hashlib.blake2b(salt, digest_size=8)
     for t in tokens[:start]:
         h.update(int(t).to_bytes(8, "little", signed=True))
     rows = []
@@ -119,7 +129,8 @@ def _prefix_rows(tokens: Sequence[int], start: int, shape: tuple[int, ...]) -> t
 @dataclass
 class Served:
     """What one request got: its device indices, how many tokens hit on the device, how many
-    were loaded back from the host, and whether the rows it read held its prefix's values."""
+    were loaded back from the host, and whether the rows it read held its prefix's values
+    (``draft_ok``: the draft model's rows; None without a draft)."""
 
     tokens: tuple[int, ...]
     indices: torch.Tensor
@@ -127,6 +138,7 @@ class Served:
     loaded: int
     new: int
     data_ok: bool
+    draft_ok: bool | None = None
 
 
 @dataclass
@@ -137,6 +149,7 @@ class TreeHarness:
     harness: SGLangHarness
     api: SimpleNamespace
     served: list[Served] = field(default_factory=list)
+    draft: Any = None  # the draft model's device KV pool (add_draft)
 
     @property
     def controller(self) -> Any:
@@ -188,13 +201,14 @@ class TreeHarness:
         lock = tree.inc_lock_ref(last_node)
         n_new = len(tokens) - len(prefix)
         new = api.alloc_token_slots(tree, n_new) if n_new else prefix[:0]
-        data_ok = self._check(tokens, prefix)
+        data_ok, draft_ok = self._check(tokens, prefix), self._check_draft(tokens, prefix)
         self._fill(tokens, len(prefix), new)
+        self._fill_draft(tokens, len(prefix), new)
         indices = torch.cat([prefix, new])
         # cache_finished_req: insert what the request holds, then release its lock
         tree.insert(api.InsertParams(key=key, value=indices.to(torch.int64), prev_prefix_len=len(prefix)))
         tree.dec_lock_ref(last_node, self._dec_params(lock))
-        s = Served(tuple(tokens), indices, device_hit, loaded, n_new, data_ok)
+        s = Served(tuple(tokens), indices, device_hit, loaded, n_new, data_ok, draft_ok)
         self.served.append(s)
         return s
 
@@ -245,6 +259,121 @@ class TreeHarness:
         layers = self._kv_layers()
         want = _prefix_rows(tokens[: len(indices)], 0, self._row_shape()).to(layers[0].dtype).float()
         return bool(torch.equal(self.harness.read_kv(indices), want))
+
+    # ------------------------------------------------------ a draft model
+    def add_draft(self) -> Any:
+        """A one-layer draft model's KV pool (speculative decoding), the size of the target's
+        device KV pool and sharing its indices, registered as the release's scheduler registers
+        it once the tree built its controller: where SGLang builds draft sidecars
+        (``build_hicache_draft_sidecars``, 0.5.2x), as a sidecar pool of the tree
+        (``register_sidecar_pool``: the tree names the draft's transfer in each op); else with
+        the controller's ``set_draft_kv_pool`` and a host pool of its own
+        (:meth:`SGLangHarness.add_draft`, as ``maybe_register_hicache_draft`` does on 0.5.11 to
+        0.5.13, whose trees' ``register_sidecar_pool`` serves their own component pools only).
+        From then on each request's draft rows are filled like its KV rows and checked where it
+        reads them (:attr:`Served.draft_ok`). Returns the draft device pool.
+
+        Raises :class:`~hicache_obs.errors.IntegrationError` where neither the tree nor its
+        controller takes a draft, :class:`~hicache_obs.errors.ConfigError` for a second draft.
+        """
+        if self.draft is not None:
+            raise ConfigError("this tree has a draft KV pool already")
+        build = getattr(_module(_ASSEMBLER), "build_hicache_draft_sidecars", None)
+        if callable(build):
+            _required(self.tree, ("register_sidecar_pool",), f"{type(self.tree).__name__} (a draft sidecar)")
+            draft = self._add_draft_sidecar(build)
+        elif callable(getattr(self.controller, "set_draft_kv_pool", None)):
+            draft = self.harness.add_draft()  # the scheduler's host pool, then set_draft_kv_pool
+        else:
+            raise IntegrationError(
+                f"SGLang {sglang_version()}: neither {_ASSEMBLER}.build_hicache_draft_sidecars nor "
+                f"{type(self.controller).__name__}.set_draft_kv_pool: the tree takes no draft KV pool"
+            )
+        self.draft = draft
+        return draft
+
+    def _add_draft_sidecar(self, build: Any) -> Any:
+        """The draft as the tree's sidecar pool: SGLang's own specs and host pool group entries
+        for it (``build``: ``build_hicache_draft_sidecars``, as the scheduler's
+        ``maybe_register_hicache_draft`` builds them), registered through the tree
+        (``register_sidecar_pool``, which hands each entry to the controller's
+        ``register_host_pool_entry``)."""
+        draft = self._draft_device_pool()
+        with _host_registration_stand_in():
+            specs, entries = build(draft_device_pools=(draft,), tree_cache=self.tree)
+        if not specs:
+            raise IntegrationError(f"SGLang {sglang_version()}: build_hicache_draft_sidecars built no draft sidecar")
+        draft.device = "cuda"
+        _register_tensors(draft, *(entry.host_pool for entry in entries))
+        for spec, entry in zip(specs, entries, strict=True):
+            self.tree.register_sidecar_pool(spec, entry)
+        self.harness.extras["draft"] = draft
+        return draft
+
+    def _draft_device_pool(self) -> Any:
+        """A one-layer draft model's device KV pool, the target's size and page (the draft
+        worker's, sharing the target's allocator and so its indices)."""
+        spec = self.harness.spec
+        mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+        return mp.MHATokenToKVPool(
+            **_kw(
+                mp.MHATokenToKVPool.__init__,
+                size=self.harness.kv_pool.size,
+                page_size=spec.page_size,
+                dtype=spec.dtype,
+                head_num=spec.num_kv_heads,
+                head_dim=spec.head_dim,
+                layer_num=1,
+                device="cpu",
+                enable_memory_saver=False,
+                enable_alt_stream=False,
+            )
+        )
+
+    def _draft_layers(self) -> list[torch.Tensor]:
+        return [*self.draft.k_buffer, *self.draft.v_buffer]
+
+    def _draft_row_shape(self) -> tuple[int, ...]:
+        layers = self._draft_layers()
+        return (len(layers), *layers[0].shape[1:])
+
+    def _fill_draft(self, tokens: Sequence[int], start: int, indices: torch.Tensor) -> None:
+        """The draft model's rows for ``tokens[start:]`` at the KV indices the request got."""
+        if self.draft is None or not len(indices):
+            return
+        rows = _prefix_rows(tokens, start, self._draft_row_shape(), _DRAFT_SALT)
+        with _PLAIN():
+            idx = indices.detach().clone().as_subclass(torch.Tensor).to(torch.int64)
+            for i, buf in enumerate(self._draft_layers()):
+                buf[idx] = rows[i].to(buf.dtype)
+
+    def _check_draft(self, tokens: Sequence[int], indices: torch.Tensor) -> bool | None:
+        """Whether the draft rows at ``indices`` hold ``tokens``' first draft rows; None without
+        a draft."""
+        if self.draft is None:
+            return None
+        if not len(indices):
+            return True
+        layers = self._draft_layers()
+        want = _prefix_rows(tokens[: len(indices)], 0, self._draft_row_shape(), _DRAFT_SALT)
+        with _PLAIN():
+            idx = indices.detach().clone().as_subclass(torch.Tensor).to(torch.int64)
+            got = torch.stack([buf[idx].float() for buf in layers])
+        return bool(torch.equal(got, want.to(layers[0].dtype).float()))
+
+
+_DRAFT_SALT = b"draft"
+
+
+def _register_tensors(*objs: Any) -> None:
+    """The data buffers of pools built after the harness, for the copy stand-ins' pointer
+    tables (as :func:`.testing._register_buffers` does for the harness's own)."""
+    from . import kernels
+
+    for obj in objs:
+        for t in _tensors_of(obj):
+            if (t.numel() and t.dtype not in (torch.int64, torch.uint64)) or t.dim() > 1:
+                kernels.register_buffers(t)
 
 
 _SCHEDULER_CALLS = (
@@ -432,7 +561,6 @@ def build_tree(
 
 # ------------------------------------------------------------------ hybrid (KV + Mamba)
 _HI_MAMBA = "sglang.srt.mem_cache.hi_mamba_radix_cache"
-_ASSEMBLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 HYBRID_TREES = ("unified", "hi_mamba")
 """The trees :func:`build_hybrid_tree` builds: ``UnifiedRadixCache`` with a Mamba component
 (``init_hicache``), ``HiMambaRadixCache``."""
@@ -542,9 +670,10 @@ class HybridTreeHarness(TreeHarness):
             req.mamba_cow_src_index = None
         n_new = len(tokens) - len(prefix)
         new = api.alloc_token_slots(tree, n_new) if n_new else prefix[:0]
-        data_ok = self._check(tokens, prefix)
+        data_ok, draft_ok = self._check(tokens, prefix), self._check_draft(tokens, prefix)
         mamba_ok = not len(prefix) or self._check_mamba(tokens[: len(prefix)], req.mamba_pool_idx)
         self._fill(tokens, len(prefix), new)
+        self._fill_draft(tokens, len(prefix), new)
         self._fill_mamba(tokens, req.mamba_pool_idx)
         indices = torch.cat([prefix, new])
         # cache_finished_req: insert with the request's Mamba slot; the tree keeps it unless the
@@ -561,7 +690,17 @@ class HybridTreeHarness(TreeHarness):
             self.mamba_allocator.free(req.mamba_pool_idx.unsqueeze(0))
         req.mamba_pool_idx = None
         tree.dec_lock_ref(last_node, self._dec_params(lock))
-        s = HybridServed(tuple(tokens), indices, device_hit, loaded, n_new, data_ok, mamba_loaded, mamba_ok)
+        s = HybridServed(
+            tuple(tokens),
+            indices,
+            device_hit,
+            loaded,
+            n_new,
+            data_ok,
+            draft_ok,
+            mamba_loaded=mamba_loaded,
+            mamba_ok=mamba_ok,
+        )
         self.served.append(s)
         return s
 
