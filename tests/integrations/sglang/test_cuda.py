@@ -200,6 +200,31 @@ def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreada
 
 
 @pytest.mark.needs_sglang
+def test_a_free_of_a_write_in_flight_is_seen_where_device_slots_are_hidden(device_values_unreadable: None) -> None:
+    """As on a GPU: no device slot is read, and the use after free is seen from the tensor."""
+    from hicache_obs.events.log import EventLog
+    from hicache_obs.events.schema import IndicesFreed
+    from hicache_obs.integrations.sglang import instrument
+
+    h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel")
+    log = EventLog()
+    with instrument(h.controller, log=log) as inst:
+        assert ("kv", "device") in inst.unseen_slot_tiers
+        kv = h.alloc_kv(2 * h.spec.page_size)
+        assert h.write(kv)[0] is not None
+        h.controller.start_writing()
+        h.kv_allocator.free(kv)  # the write is in flight: its ack is not taken
+        assert h.reap() == 1
+        other = h.alloc_kv(h.spec.page_size)
+        h.kv_allocator.free(other)  # no op uses it: nothing
+    events = log.events()
+    freed = [e for e in events if isinstance(e, IndicesFreed)]
+    assert [(e.pool, e.tier, e.tensor.indices) for e in freed] == [("kv", "device", None)]
+    assert [(f.rule, f.pool, f.role) for f in audit(events)] == [("slot_not_allocated", "kv", "device")]
+    assert inst.errors == 0
+
+
+@pytest.mark.needs_sglang
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 def test_the_demo_drives_the_same_run_when_device_slots_are_hidden(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_backend: str
@@ -343,3 +368,46 @@ print(json.dumps({"equal": bool(torch.equal(want, got)), "kv_device": str(h.kv_p
     assert r["kv_device"].startswith("cuda") and r["pinned"] is True
     assert r["kernels"] and all(v == "stand-in" or v.startswith(("sgl_kernel", "sglang")) for v in r["kernels"].values())
     assert {"TransferSubmitted", "TransferCompleted", "StreamRecorded", "SlotsAllocated"} <= set(r["kinds"])
+
+
+IN_FLIGHT_FREE = """
+import json
+import torch
+from hicache_obs.core.spec import ModelSpec
+from hicache_obs.events import EventLog
+from hicache_obs.events.audit import audit
+from hicache_obs.events.schema import IndicesFreed, SlotsFreed
+from hicache_obs.integrations.sglang import instrument, testing
+
+h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel", device="cuda")
+log = EventLog()
+inst = instrument(h.controller, log=log)
+kv = h.alloc_kv(2 * h.spec.page_size)
+host = h.controller.write(kv, node_id=3)
+h.controller.start_writing()
+h.kv_allocator.free(kv)  # the write's ack is not taken: the op is in flight
+h.reap(wait=True)
+log.flush()
+events = log.events()
+freed = [e for e in events if isinstance(e, IndicesFreed)]
+print(json.dumps({
+    "unseen": sorted(map(list, inst.unseen_slot_tiers)),
+    "findings": [[f.rule, f.pool, f.role, f.direction] for f in audit(events)],
+    "indices_freed": [[e.pool, e.tier, e.tensor.device, e.tensor.indices is None] for e in freed],
+    "device_slot_frees": sum(isinstance(e, SlotsFreed) and e.tier == "device" for e in events),
+    "errors": inst.errors,
+}))
+h.close()
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.needs_sglang
+def test_a_free_of_a_write_in_flight_is_seen_on_a_gpu_without_reading_the_indices() -> None:
+    """The device tier's slots are not read on a GPU (its free lists are there): the use after
+    free is seen from the tensor the free was handed, the very one the write received."""
+    r = json.loads(_python(IN_FLIGHT_FREE).strip().splitlines()[-1])
+    assert ["kv", "device"] in r["unseen"] and r["device_slot_frees"] == 0
+    assert r["findings"] == [["slot_not_allocated", "kv", "device", "d2h"]]
+    assert r["indices_freed"] == [["kv", "device", "cuda:0", True]]
+    assert r["errors"] == 0
