@@ -1,0 +1,284 @@
+"""A draft model's KV pool (speculative decoding) through SGLang's own trees with HiCache, driven
+as the scheduler drives them (SGLang PR #27953).
+
+The scheduler registers the draft after the tree built its controller. On 0.5.11 to 0.5.13 it
+does so with ``controller.set_draft_kv_pool`` (0.5.13 ``mem_cache/kv_cache_builder.py``
+``maybe_register_hicache_draft``; 0.5.11, 0.5.12 ``Scheduler._maybe_register_hicache_draft``),
+and their ``HybridCacheController`` overrides ``start_writing``/``start_loading`` without the
+base controller's draft copies: the draft KV is never backed up and is stale after a load back,
+one ``pool_omitted`` finding for pool ``draft`` per op. ``UnifiedRadixCache.init_hicache``
+builds a ``HybridCacheController`` for a KV-only tree too, so the KV-only ``UnifiedRadixCache``
+(``SGLANG_ENABLE_UNIFIED_RADIX_TREE``) has the same findings; the base controller, which copies
+the draft, is ``HiRadixCache``'s (``test_draft_pools.py`` runs it on the controller). 0.5.2x
+registers the draft as a sidecar pool of the tree (``register_sidecar_pool`` with the entries of
+``build_hicache_draft_sidecars``) and the tree names its transfer in each op: clean.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import Counter
+from importlib.metadata import distribution
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sglang_env import RELEASE, release_tuple
+
+from hicache_obs.core import ModelSpec
+from hicache_obs.errors import ConfigError, IntegrationError
+from hicache_obs.events import EventLog
+from hicache_obs.events.audit import audit
+from hicache_obs.events.schema import AuditViolation, TransferSubmitted
+from hicache_obs.integrations.sglang import instrument
+
+pytestmark = pytest.mark.needs_sglang
+
+PAGE = ModelSpec.tiny_hybrid().page_size
+BACKENDS = [
+    pytest.param("direct", "page_first_direct", id="direct-page_first_direct"),
+    pytest.param("direct", "layer_first", id="direct-layer_first"),
+    pytest.param("kernel", "page_first", id="kernel-page_first"),
+    pytest.param("kernel", "layer_first", id="kernel-layer_first"),
+]
+TREES = ["unified", "hi_mamba"]
+
+
+def _seq(start: int, pages: int) -> list[int]:
+    return list(range(start, start + pages * PAGE))
+
+
+# test_tree_hybrid.py's workload: three conversations on a 128-token device pool, each next turn
+# extending its conversation; B's and C's first turns are demoted to the host (backed up by
+# write_through) while the others run, B2, C2 and A3 load their prefixes back; A2 repeats last,
+# a device hit on what A3 loaded back
+A1, B1, C1 = _seq(1000, 2), _seq(2000, 2), _seq(3000, 3)
+A2, B2, C2 = A1 + _seq(1100, 2), B1 + _seq(2100, 2), C1 + _seq(3100, 1)
+A3 = A2 + _seq(1200, 1)
+WORKLOAD = [A1, B1, C1, A2, B2, C2, A3, A2]
+LOADED = [0, 0, 0, 0, len(B1), len(C1), len(A2), 0]
+# the draft rows each request reads: intact until the first load back; where the controller
+# leaves the draft out, every load back leaves the slots' previous draft rows (stale), and A2's
+# repeat reads what A3 loaded back
+DRAFT_STALE = [True] * 4 + [False] * 4
+OPS = {"d2h": 7, "h2d": 3}  # seven write-through backups, three load backs
+
+
+def _sidecar_release() -> bool:
+    """Whether SGLang builds a draft as a sidecar pool of the tree (0.5.2x)."""
+    from hicache_obs.integrations.sglang.testing import _module, prepare
+
+    if RELEASE is None:
+        return False
+    prepare("cpu")
+    assembler = _module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
+    return callable(getattr(assembler, "build_hicache_draft_sidecars", None))
+
+
+def _set_draft_release() -> bool:
+    """Whether SGLang registers a draft with the controller's ``set_draft_kv_pool`` (0.5.11-0.5.13)."""
+    if RELEASE is None or _sidecar_release():
+        return False
+    from hicache_obs.integrations.sglang.testing import prepare
+
+    prepare("cpu")
+    cc = importlib.import_module("sglang.srt.managers.cache_controller")
+    return callable(getattr(cc.HiCacheController, "set_draft_kv_pool", None))
+
+
+SIDECAR = _sidecar_release()
+SET_DRAFT = _set_draft_release()
+needs_set_draft = pytest.mark.skipif(
+    not SET_DRAFT, reason="this release's scheduler registers no draft with set_draft_kv_pool (0.5.11-0.5.13)"
+)
+needs_sidecar = pytest.mark.skipif(not SIDECAR, reason="this release builds no draft sidecar (0.5.2x)")
+
+
+def _available(tree: str) -> None:
+    from hicache_obs.integrations.sglang.tree import hybrid_trees
+
+    if tree not in hybrid_trees():
+        pytest.skip(f"SGLang {RELEASE} has no {tree} hybrid tree with HiCache")
+
+
+def _mamba_host_takes_page_layouts_only() -> bool:
+    """0.5.2x's ``mem_cache/pool_host/mamba.py``: its ``MambaPoolHost`` asserts a page layout."""
+    if RELEASE is None:
+        return False
+    return Path(str(distribution("sglang").locate_file("sglang/srt/mem_cache/pool_host/mamba.py"))).exists()
+
+
+PAGE_LAYOUTS_ONLY = _mamba_host_takes_page_layouts_only()
+
+
+def _layout(layout: str) -> None:
+    if PAGE_LAYOUTS_ONLY and layout == "layer_first":
+        pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost takes page_first/page_first_direct only (asserts it)")
+
+
+def _unified() -> None:
+    from hicache_obs.integrations.sglang.tree import has_unified_hicache
+
+    if not has_unified_hicache():
+        pytest.skip("this SGLang release has no UnifiedRadixCache with HiCache (init_hicache)")
+
+
+class _Run:
+    """A tree with HiCache, its controller instrumented as soon as the tree built it, then a
+    draft registered as the scheduler registers it (``draft_first``: registered before the
+    controller is instrumented); the workload served."""
+
+    def __init__(self, t: Any, *, draft_first: bool = False) -> None:
+        self.t = t
+        self.log = EventLog()
+        if draft_first:
+            t.add_draft()
+        self.inst = instrument(t.controller, log=self.log)  # the controller exists ...
+        if not draft_first:
+            t.add_draft()  # ... then the scheduler registers the draft
+        self.served = [t.serve(tokens) for tokens in WORKLOAD]
+        t.step()
+
+    def events(self) -> list[Any]:
+        self.log.flush()
+        return [e for e in self.log.events() if not isinstance(e, AuditViolation)]
+
+    def kv_ops(self) -> dict[int, str]:
+        """The submitted ops that moved KV slots, and their directions."""
+        return {
+            e.op: e.direction
+            for e in self.events()
+            if isinstance(e, TransferSubmitted) and dict(e.slots_by_pool).get("kv", 0) > 0
+        }
+
+    def check_served(self, *, draft_intact: bool, mamba: bool) -> None:
+        s = self.served
+        assert [x.loaded for x in s] == LOADED
+        assert all(x.data_ok for x in s), [x.data_ok for x in s]
+        if mamba:
+            assert all(x.mamba_ok for x in s), [x.mamba_ok for x in s]
+        assert [x.draft_ok for x in s] == ([True] * len(s) if draft_intact else DRAFT_STALE)
+        assert self.inst.errors == 0
+
+    def check_omitted(self) -> None:
+        """One ``pool_omitted`` finding for pool draft per op, on every op that moved KV, and no
+        other finding."""
+        ops = self.kv_ops()
+        assert Counter(ops.values()) == OPS
+        subs = [e for e in self.events() if isinstance(e, TransferSubmitted)]
+        assert {e.sidecar_pools for e in subs} == {(("draft", "kv"),)}  # the adapter followed the registration
+        found = audit(self.events())
+        assert Counter((f.rule, f.pool, f.direction) for f in found) == {
+            ("pool_omitted", "draft", "d2h"): OPS["d2h"],
+            ("pool_omitted", "draft", "h2d"): OPS["h2d"],
+        }
+        assert sorted(f.op for f in found) == sorted(ops)  # once per op
+        assert all(ops[f.op] == f.direction for f in found)
+
+    def check_clean(self) -> None:
+        ops = self.kv_ops()
+        assert Counter(ops.values()) == OPS
+        subs = [e for e in self.events() if isinstance(e, TransferSubmitted)]
+        assert {e.sidecar_pools for e in subs} == {(("draft", "kv"),)}
+        assert all("draft" in {t.pool for t in e.tensors} for e in subs)  # the tree named the draft
+        assert audit(self.events()) == []
+
+
+def _hybrid(io_backend: str, layout: str, tree: str) -> Any:
+    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+
+    _available(tree)
+    _layout(layout)
+    return build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout, tree=tree)
+
+
+def _kv_only(io_backend: str, layout: str) -> Any:
+    from hicache_obs.integrations.sglang.tree import build_tree
+
+    _unified()
+    # write_through: the workload backs up as the hybrid one does (and 0.5.12's write_back
+    # demotion has its own finding, test_tree.py)
+    return build_tree(ModelSpec.tiny(), io_backend=io_backend, layout=layout, write_policy="write_through")
+
+
+@needs_set_draft
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_hybrid_tree_leaves_the_draft_out(tree: str, io_backend: str, layout: str) -> None:
+    r = _Run(_hybrid(io_backend, layout, tree))
+    assert type(r.t.controller).__name__ == "HybridCacheController"
+    assert r.t.controller.has_draft
+    r.check_served(draft_intact=False, mamba=True)
+    r.check_omitted()
+
+
+@needs_sidecar
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_unified_tree_carries_the_draft_sidecar(io_backend: str, layout: str) -> None:
+    r = _Run(_hybrid(io_backend, layout, "unified"))
+    names = [spec.pool_name.name for spec in r.t.tree.sidecar_pool_specs]
+    assert names == ["DRAFT"]  # registered through the tree
+    r.check_served(draft_intact=True, mamba=True)
+    r.check_clean()
+
+
+@needs_set_draft
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_kv_only_unified_tree_leaves_the_draft_out_too(io_backend: str, layout: str) -> None:
+    """``init_hicache`` builds a ``HybridCacheController`` for a KV-only ``UnifiedRadixCache``
+    as well (0.5.12, 0.5.13): the same omission as the hybrid trees'."""
+    r = _Run(_kv_only(io_backend, layout))
+    assert type(r.t.controller).__name__ == "HybridCacheController"
+    r.check_served(draft_intact=False, mamba=False)
+    r.check_omitted()
+
+
+@needs_sidecar
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_kv_only_unified_tree_carries_the_draft_sidecar(io_backend: str, layout: str) -> None:
+    r = _Run(_kv_only(io_backend, layout))
+    r.check_served(draft_intact=True, mamba=False)
+    r.check_clean()
+
+
+@pytest.mark.skipif(not (SIDECAR or SET_DRAFT), reason="this release's scheduler registers no draft")
+def test_a_draft_registered_before_the_controller_is_instrumented_is_followed_too() -> None:
+    from hicache_obs.integrations.sglang.tree import hybrid_trees
+
+    tree = hybrid_trees()[0]
+    r = _Run(_hybrid("direct", "page_first_direct", tree), draft_first=True)
+    r.check_served(draft_intact=SIDECAR, mamba=True)
+    if SIDECAR:
+        r.check_clean()
+    else:
+        r.check_omitted()
+
+
+def test_a_tree_without_a_draft_checks_none() -> None:
+    from hicache_obs.integrations.sglang.tree import build_hybrid_tree, hybrid_trees
+
+    if not hybrid_trees():
+        pytest.skip(f"SGLang {RELEASE} has no hybrid Mamba tree with HiCache")
+    t = build_hybrid_tree()
+    assert t.draft is None
+    assert t.serve(A1).draft_ok is None
+
+
+@pytest.mark.skipif(not (SIDECAR or SET_DRAFT), reason="this release's scheduler registers no draft")
+def test_a_second_draft_is_refused() -> None:
+    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+
+    t = build_hybrid_tree()
+    t.add_draft()
+    with pytest.raises(ConfigError, match="draft KV pool already"):
+        t.add_draft()
+
+
+@pytest.mark.skipif(SIDECAR or SET_DRAFT or RELEASE is None, reason="this release's scheduler registers a draft")
+def test_a_release_without_a_draft_registration_is_refused() -> None:
+    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+
+    assert release_tuple() < (0, 5, 11)
+    t = build_hybrid_tree()
+    with pytest.raises(IntegrationError, match="takes no draft KV pool"):
+        t.add_draft()
