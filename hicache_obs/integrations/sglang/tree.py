@@ -186,6 +186,7 @@ class TreeHarness:
                 swa_host_hit_length=0,
                 mamba_host_hit_length=0,
                 kv=SimpleNamespace(mamba_pool_idx=None),
+                mamba_pool_idx=None,  # 0.5.18 reads it off the Req itself
             )
             with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
                 got, last_node = tree.init_load_back(
@@ -300,13 +301,20 @@ class TreeHarness:
         ``register_host_pool_entry``)."""
         draft = self._draft_device_pool()
         with _host_registration_stand_in():
-            specs, entries = build(draft_device_pools=(draft,), tree_cache=self.tree)
+            more = {}
+            if "server_args" in inspect.signature(build).parameters:  # 0.5.18 takes them
+                more["server_args"] = importlib.import_module("sglang.srt.server_args").get_global_server_args()
+            specs, entries = build(draft_device_pools=(draft,), tree_cache=self.tree, **more)
         if not specs:
             raise IntegrationError(f"SGLang {sglang_version()}: build_hicache_draft_sidecars built no draft sidecar")
         draft.device = "cuda"
         _register_tensors(draft, *(entry.host_pool for entry in entries))
-        for spec, entry in zip(specs, entries, strict=True):
-            self.tree.register_sidecar_pool(spec, entry)
+        register_all = getattr(self.tree, "register_hicache_draft_pools", None)
+        if callable(register_all):  # 0.5.18: the entries to the controller, the specs to the tree
+            register_all(specs, entries)
+        else:
+            for spec, entry in zip(specs, entries, strict=True):
+                self.tree.register_sidecar_pool(spec, entry)
         self.harness.extras["draft"] = draft
         return draft
 
@@ -428,10 +436,10 @@ def _api(tree: str = "UnifiedRadixCache", module: str = _URC) -> SimpleNamespace
 
 
 def _server_args(spec: ModelSpec, io_backend: str, layout: str, write_policy: str, host_ratio: float) -> Any:
-    """The server arguments ``init_hicache`` reads. Where ``ServerArgs`` is a dataclass whose
-    constructor resolves a model (0.5.1x), its declared defaults with the HiCache settings;
-    otherwise a real ``ServerArgs``, made the process's global (its runtime getters read that,
-    as SGLang's own unit fixture sets it)."""
+    """The server arguments ``init_hicache`` reads. Where ``ServerArgs`` is a dataclass and no
+    runtime context publishes it (0.5.12, 0.5.13), its declared defaults with the HiCache
+    settings; otherwise a real ``ServerArgs``, made the process's global (its runtime getters
+    read that, as SGLang's own unit fixture sets it; 0.5.18's through its runtime context)."""
     mod = importlib.import_module("sglang.srt.server_args")
     hicache = dict(
         hicache_io_backend=io_backend,
@@ -442,7 +450,8 @@ def _server_args(spec: ModelSpec, io_backend: str, layout: str, write_policy: st
         hicache_storage_backend=None,
     )
     cls = mod.ServerArgs
-    if dataclasses.is_dataclass(cls):
+    published = _module("sglang.srt.runtime_context") is not None  # settings read from a published context
+    if dataclasses.is_dataclass(cls) and not published:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
