@@ -583,18 +583,19 @@ class SGLangHarness:
             register: Any = lambda: c.set_draft_kv_pool(draft, host)  # noqa: E731
         elif callable(getattr(c, "register_host_pool_entry", None)):
             asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
-            # SGLang's own inputs for a draft host pool (build_full_draft_pools uses them)
-            cls, first, kw = getattr(asm, "_mha_host_inputs")(draft)  # noqa: B009
-            host = cls(
-                first,
-                host_to_device_ratio=primary.logical_size / draft.size,
-                host_size=0,
-                page_size=spec.page_size,
-                layout=self.layout,
+            host = _host_pool(  # as the release's build_full_draft_pools builds it
+                _mha_host_cls(draft),
+                draft,
+                primary.logical_size / draft.size,
+                0,
+                spec.page_size,
+                self.layout,
                 pin_memory=self.device == "cuda",
                 pool_label="draft",
                 host_token_capacity=primary.logical_size,
-                **{k: v for k, v in kw.items() if v is not None},
+                device_capacity_tokens=draft.size,
+                start_layer=getattr(draft, "start_layer", None),
+                end_layer=getattr(draft, "end_layer", None),
             )
             entry = asm.build_pool_entry(
                 name=self.pool_name.DRAFT,
@@ -914,15 +915,8 @@ def _build(
 def _host_pools(
     spec: ModelSpec, kv_pool: Any, mamba_pool: Any, layout: str, host_ratio: float, pin: bool
 ) -> tuple[Any, Any]:
-    mha = _module(f"{_POOL_HOST}.mha")
-    if mha is not None and hasattr(mha, "get_mha_host_pool_cls"):
-        pick = mha.get_mha_host_pool_cls  # given the device pool, or (later) its buffer description
-        takes_pool = next(iter(inspect.signature(pick).parameters), "") == "device_pool"
-        host_cls = pick(kv_pool if takes_pool else kv_pool.get_device_pool_infos()[0].buffer_info)
-    else:
-        host_cls = _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost")
     kv_host = _host_pool(
-        host_cls,
+        _mha_host_cls(kv_pool),
         kv_pool,
         host_ratio,
         0,
@@ -941,6 +935,16 @@ def _host_pools(
         mamba_cls, mamba_pool, host_ratio, 0, device_capacity=mamba_pool.size, pin_memory=pin, layout=layout
     )
     return kv_host, mamba_host
+
+
+def _mha_host_cls(device_pool: Any) -> Any:
+    """The MHA host pool class for ``device_pool``, as the release picks it."""
+    mha = _module(f"{_POOL_HOST}.mha")
+    if mha is not None and hasattr(mha, "get_mha_host_pool_cls"):
+        pick = mha.get_mha_host_pool_cls  # given the device pool, or (later) its buffer description
+        takes_pool = next(iter(inspect.signature(pick).parameters), "") == "device_pool"
+        return pick(device_pool if takes_pool else device_pool.get_device_pool_infos()[0].buffer_info)
+    return _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost")
 
 
 def _host_pool(cls: Any, device_pool: Any, *args: Any, **candidates: Any) -> Any:
