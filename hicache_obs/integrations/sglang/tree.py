@@ -435,6 +435,17 @@ def _api(tree: str = "UnifiedRadixCache", module: str = _URC) -> SimpleNamespace
     return api
 
 
+def _controller_of(tree: Any, built_by: str, load_back_threshold: int | None) -> Any:
+    """The controller SGLang built for ``tree``, on the CPU harness's streams."""
+    controller = getattr(tree, "cache_controller", None)
+    if controller is None:
+        raise IntegrationError(f"SGLang {sglang_version()}: {built_by} attached no cache_controller to the tree")
+    _use_cpu_streams(controller)
+    if load_back_threshold is not None:
+        tree.load_back_threshold = load_back_threshold
+    return controller
+
+
 def _server_args(spec: ModelSpec, io_backend: str, layout: str, write_policy: str, host_ratio: float) -> Any:
     """The server arguments ``init_hicache`` reads. Where ``ServerArgs`` is a dataclass and no
     runtime context publishes it (0.5.12, 0.5.13), its declared defaults with the HiCache
@@ -547,12 +558,7 @@ def build_tree(
     tree = api.UnifiedRadixCache(params)
     with _host_registration_stand_in():
         tree.init_hicache(_server_args(spec, io_backend, layout, write_policy, host_ratio), params)
-    controller = getattr(tree, "cache_controller", None)
-    if controller is None:
-        raise IntegrationError(f"SGLang {sglang_version()}: init_hicache attached no cache_controller to the tree")
-    _use_cpu_streams(controller)
-    if load_back_threshold is not None:
-        tree.load_back_threshold = load_back_threshold
+    controller = _controller_of(tree, "init_hicache", load_back_threshold)
     kv_host = _kv_host(tree, controller)
     h = SGLangHarness(
         spec,
@@ -904,12 +910,7 @@ def build_hybrid_tree(
             cache.init_hicache(args, params)
         else:
             cache = api.Tree(params=params, server_args=args)
-    controller = getattr(cache, "cache_controller", None)
-    if controller is None:
-        raise IntegrationError(f"SGLang {sglang_version()}: the {kind} tree built no cache_controller")
-    _use_cpu_streams(controller)
-    if load_back_threshold is not None:
-        cache.load_back_threshold = load_back_threshold
+    controller = _controller_of(cache, f"the {kind} tree", load_back_threshold)
     kv_host = _kv_host(cache, controller)
     h = SGLangHarness(
         spec,

@@ -107,23 +107,33 @@ def _plain_events(log: Any) -> list[Any]:
     return [e for e in log.events() if not isinstance(e, AuditViolation)]
 
 
-def _row1(release: str, io_backend: str, layout: str) -> Case | None:
-    from test_tree_hybrid import WORKLOAD
-
+def _instrumented_hybrid_tree(io_backend: str, layout: str) -> tuple[Any, Any]:
+    """SGLang's hybrid tree with its controller instrumented into a log; (None, None) for a
+    layout the release's Mamba host pool refuses (0.5.2x asserts a page layout)."""
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
-    from hicache_obs.events.audit import audit
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.integrations.sglang.tree import build_hybrid_tree
 
     try:
         t = build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout)
-    except AssertionError as exc:  # 0.5.2x's Mamba host pool asserts a page layout
+    except AssertionError as exc:
         if "Unsupported layout" in str(exc):
-            return None
+            return None, None
         raise
     log = EventLog()
     instrument(t.controller, log=log)
+    return t, log
+
+
+def _row1(release: str, io_backend: str, layout: str) -> Case | None:
+    from test_tree_hybrid import WORKLOAD
+
+    from hicache_obs.events.audit import audit
+
+    t, log = _instrumented_hybrid_tree(io_backend, layout)
+    if t is None:
+        return None
     outcome = "every request served, data intact"
     try:
         served = [t.serve(tokens) for tokens in WORKLOAD]
@@ -162,20 +172,11 @@ def _row2(release: str, io_backend: str, layout: str) -> Case | None:
 def _row3(release: str, io_backend: str, layout: str) -> Case | None:
     from test_tree_hybrid import WORKLOAD
 
-    from hicache_obs.core import ModelSpec
-    from hicache_obs.events import EventLog
     from hicache_obs.events.audit import audit
-    from hicache_obs.integrations.sglang import instrument
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
 
-    try:
-        t = build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout)
-    except AssertionError as exc:  # 0.5.2x's Mamba host pool asserts a page layout
-        if "Unsupported layout" in str(exc):
-            return None
-        raise
-    log = EventLog()
-    instrument(t.controller, log=log)
+    t, log = _instrumented_hybrid_tree(io_backend, layout)
+    if t is None:
+        return None
     t.add_draft()  # as the scheduler does: after the tree built the controller
     served = [t.serve(tokens) for tokens in WORKLOAD]
     t.step()

@@ -25,6 +25,10 @@ from typing import Any
 import pytest
 from sglang_env import RELEASE, release_tuple
 
+# test_tree_hybrid.py's workload: three conversations on a 128-token device pool; B2, C2 and A3
+# load their prefixes back; A2 repeats last, a device hit on what A3 loaded back
+from test_tree_hybrid import A1, BACKENDS, LOADED, TREES, WORKLOAD
+
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events import EventLog
@@ -34,29 +38,6 @@ from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang
 
-PAGE = ModelSpec.tiny_hybrid().page_size
-BACKENDS = [
-    pytest.param("direct", "page_first_direct", id="direct-page_first_direct"),
-    pytest.param("direct", "layer_first", id="direct-layer_first"),
-    pytest.param("kernel", "page_first", id="kernel-page_first"),
-    pytest.param("kernel", "layer_first", id="kernel-layer_first"),
-]
-TREES = ["unified", "hi_mamba"]
-
-
-def _seq(start: int, pages: int) -> list[int]:
-    return list(range(start, start + pages * PAGE))
-
-
-# test_tree_hybrid.py's workload: three conversations on a 128-token device pool, each next turn
-# extending its conversation; B's and C's first turns are demoted to the host (backed up by
-# write_through) while the others run, B2, C2 and A3 load their prefixes back; A2 repeats last,
-# a device hit on what A3 loaded back
-A1, B1, C1 = _seq(1000, 2), _seq(2000, 2), _seq(3000, 3)
-A2, B2, C2 = A1 + _seq(1100, 2), B1 + _seq(2100, 2), C1 + _seq(3100, 1)
-A3 = A2 + _seq(1200, 1)
-WORKLOAD = [A1, B1, C1, A2, B2, C2, A3, A2]
-LOADED = [0, 0, 0, 0, len(B1), len(C1), len(A2), 0]
 # the draft rows each request reads: intact until the first load back; where the controller
 # leaves the draft out, every load back leaves the slots' previous draft rows (stale), and A2's
 # repeat reads what A3 loaded back
