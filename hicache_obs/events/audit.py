@@ -712,7 +712,7 @@ class Auditor:
                     ev.op,
                     ev.rank,
                     f"{ev.direction} op {ev.op} moved pool {shares!r} but not pool {pool!r}, which the "
-                    f"controller registers to move with {shares!r}'s slots: its data is "
+                    f"controller registers to move with pool {shares!r} (it shares its slots): its data is "
                     + ("never backed up" if ev.direction == "d2h" else "stale after this load"),
                     stream=ev.stream,
                     direction=ev.direction,
