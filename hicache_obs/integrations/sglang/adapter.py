@@ -325,10 +325,10 @@ def _detect(c: Any) -> _Shape:
     engine = getattr(c, "l2_transfer_engine", None)
     if engine is not None and hasattr(engine, "device_to_host_stream"):
         streams = {D2H: (engine, "device_to_host_stream"), H2D: (engine, "host_to_device_stream")}
-        copy = {D2H: "backup_from_device_all_layer_physical", H2D: "load_to_device_per_layer_physical"}
+        copy = _PHYSICAL_COPY
     elif hasattr(c, "write_stream") and hasattr(c, "load_stream"):
         streams = {D2H: (c, "write_stream"), H2D: (c, "load_stream")}
-        copy = {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
+        copy = _PLAIN_COPY
     else:
         missing.append("write_stream/load_stream or l2_transfer_engine.device_to_host_stream/host_to_device_stream")
         streams, copy = {}, {}
@@ -375,14 +375,12 @@ def _detect(c: Any) -> _Shape:
                 )
     elif host is not None:
         pools.append(_PoolHooks(ANCHOR, host, allocator, [(allocator, "alloc", "free")]))
-    physical = {D2H: "backup_from_device_all_layer_physical", H2D: "load_to_device_per_layer_physical"}
-    plain = {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
     if (
-        copy == physical
+        copy is _PHYSICAL_COPY
         and pools
-        and not any(callable(getattr(p.host, m, None)) for p in pools for m in physical.values())
+        and not any(callable(getattr(p.host, m, None)) for p in pools for m in _PHYSICAL_COPY.values())
     ):
-        copy = plain  # an L2 transfer engine over host pools that copy by the older names
+        copy = _PLAIN_COPY  # an L2 transfer engine over host pools that copy by the older names
     for p in pools:
         for meth in copy.values():
             if not callable(getattr(p.host, meth, None)):
@@ -400,9 +398,12 @@ def _detect(c: Any) -> _Shape:
         raise IntegrationError(
             f"cannot instrument {type(c).__module__}.{type(c).__name__}: it lacks " + "; ".join(missing)
         )
-    shape = _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")))
-    shape.sidecars = sidecars
-    return shape
+    return _Shape(streams, move, takes_op, pools, copy, str(c.io_backend), str(getattr(host, "layout", "")), sidecars)
+
+
+#: A host pool's copy methods by direction: under the L2 transfer engine (0.5.2x), and the older names.
+_PHYSICAL_COPY = {D2H: "backup_from_device_all_layer_physical", H2D: "load_to_device_per_layer_physical"}
+_PLAIN_COPY = {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
 
 
 #: The pool name of a draft model's KV registered with ``set_draft_kv_pool`` (SGLang 0.5.12, 0.5.13).
@@ -423,7 +424,7 @@ def _copy_names(pool: Any, copy: dict[str, str]) -> dict[str, str]:
     them, else the plain ones (a base-class draft copy)."""
     if all(callable(getattr(pool, m, None)) for m in copy.values()):
         return copy
-    return {D2H: "backup_from_device_all_layer", H2D: "load_to_device_per_layer"}
+    return _PLAIN_COPY
 
 
 def _slot_calls(allocator: Any) -> list[str]:
@@ -450,6 +451,8 @@ def _captured_methods(
             if f is not None:
                 table[f] = name
     out: list[tuple[list[tuple[Any, Any, str]], list[tuple[str, str]]]] = [([], []) for _ in allocators]
+    if not allocators:
+        return out
     methods = [
         r
         for r in gc.get_referrers(*[a for a, _, _ in allocators])
@@ -925,30 +928,23 @@ class Instrumentation:
         watched = [(p.name, "host", [(p.host, "alloc", "free")]) for p in shape.pools] + [
             (p.name, "device", p.device_hooks) for p in shape.pools if (p.name, "device") not in self._unseen
         ]
-        # before any hook exists: every bound method of an allocator found now was taken by SGLang
-        captured = _captured_methods(
-            [
-                (
-                    self._watches[(pool, tier)].obj,
-                    _slot_calls(self._watches[(pool, tier)].obj),
-                    {
-                        id(vars(o))
-                        for o, _, _ in hooks
-                        if o is not self._watches[(pool, tier)].obj and hasattr(o, "__dict__")
-                    },
-                )
-                for pool, tier, hooks in watched
-            ]
-        )
-        for (pool, tier, hooks), found in zip(watched, captured):
-            self._watch_slots(pool, tier, hooks, found)
         # a device tier whose slots are not read (free lists on a GPU) still has its frees
         # compared with the index tensors of the ops in flight
         blind = [
             p for p in shape.pools if (p.name, "device") in self._unseen and callable(getattr(p.device, "free", None))
         ]
-        kept = _captured_methods([(b.device, ["free"], set()) for b in blind]) if blind else []
-        for b, (places, _) in zip(blind, kept):
+        # one look for the bound methods SGLang took, before any hook exists: every one found
+        # now is SGLang's
+        wanted = []
+        for pool, tier, hooks in watched:
+            obj = self._watches[(pool, tier)].obj
+            other = {id(vars(o)) for o, _, _ in hooks if o is not obj and hasattr(o, "__dict__")}
+            wanted.append((obj, _slot_calls(obj), other))
+        wanted += [(b.device, ["free"], set()) for b in blind]
+        captured = _captured_methods(wanted)
+        for (pool, tier, hooks), found in zip(watched, captured):
+            self._watch_slots(pool, tier, hooks, found)
+        for b, (places, _) in zip(blind, captured[len(watched) :]):
             self._wrap(b.device, "free", self._held_free_wrapper(b.name))
             for obj, _, free_attr in b.device_hooks:
                 if obj is not b.device:
@@ -1274,10 +1270,7 @@ class Instrumentation:
 
             def slots(*args: Any, **kwargs: Any) -> Any:
                 if check and held:
-                    try:
-                        self._check_held(pool, tier, args, kwargs)
-                    except Exception:
-                        failed("compare a free with the tensors of ops in flight")
+                    self._check_held(pool, tier, args, kwargs)
                 try:
                     with NO_TORCH_FUNCTION():
                         before = watch.read()
@@ -1309,15 +1302,12 @@ class Instrumentation:
     def _held_free_wrapper(self, pool: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """A device free whose slots are not read: only compared with the tensors of the ops in
         flight (:meth:`_check_held`)."""
-        held, failed = self._held, self._failed
+        held = self._held
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def free(*args: Any, **kwargs: Any) -> Any:
                 if held:
-                    try:
-                        self._check_held(pool, "device", args, kwargs)
-                    except Exception:
-                        failed("compare a free with the tensors of ops in flight")
+                    self._check_held(pool, "device", args, kwargs)
                 return original(*args, **kwargs)
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -1556,21 +1546,26 @@ class Instrumentation:
 
     def _check_held(self, pool: str, tier: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before a free runs: an ``IndicesFreed`` where the tensor it was handed holds the
-        indices (shares the memory) of device index tensors in-flight ops received."""
-        freed = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if freed is None or not freed.numel():
-            return
-        with NO_TORCH_FUNCTION():
-            lo, hi = _span(freed)
-            ops = tuple(
-                op
-                for op, held in self._held.items()
-                if any(h.pool == pool and h.lo < hi and lo < h.hi and h.ref() is not None for h in held)
-            )
-            if ops:
+        indices (shares the memory) of device index tensors in-flight ops received (guards
+        itself: a failure is counted, never raised into SGLang)."""
+        try:
+            freed = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+            if freed is None or not freed.numel():
+                return
+            with NO_TORCH_FUNCTION():
+                lo, hi = _span(freed)
+                ops = tuple(
+                    op
+                    for op, held in self._held.items()
+                    if any(h.pool == pool and h.lo < hi and lo < h.hi and h.ref() is not None for h in held)
+                )
+                if not ops:
+                    return
                 self._emit(IndicesFreed, pool=pool, tier=tier, ops=ops, tensor=tensor_ref(freed, pool, "device"))
-        if ops:
-            self._sync_findings()
+        except Exception:
+            self._failed("compare a free with the tensors of ops in flight")
+            return
+        self._sync_findings()
 
     def _settle_acks(self, sub: _Submission, op_id: int, error: BaseException | None) -> None:
         """A submission's acks await their op's completion; a submission that raised is a
