@@ -593,10 +593,10 @@ class Auditor:
         for op in ev.ops:
             rec = r.record(ev.rank, op)
             f = rec.evidence if rec is not None else None
-            if f is None or rec is None or rec.submit is None or key in f.spans or key in f.freed:
+            sub = rec.submit if rec is not None else None
+            if f is None or sub is None or key in f.spans or key in f.freed:
                 continue  # not in flight, or its slots are known, or reported already
             f.freed.add(key)
-            sub = rec.submit
             t = ev.tensor
             self._report(
                 "slot_not_allocated",
