@@ -554,25 +554,11 @@ class SGLangHarness:
         indices (0.5.2x's sidecar; :meth:`write` and :meth:`load` then name it in each op, as
         the tree does). Returns the draft device pool."""
         spec, c = self.spec, self.controller
-        mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-        draft = mp.MHATokenToKVPool(
-            **_kw(
-                mp.MHATokenToKVPool.__init__,
-                size=self.kv_pool.size,
-                page_size=spec.page_size,
-                dtype=spec.dtype,
-                head_num=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                layer_num=1,
-                device="cpu" if self.device == "cpu" else self.device,
-                enable_memory_saver=False,
-                enable_alt_stream=False,
-            )
-        )
+        draft = _mha_device_pool(spec, self.kv_pool.size, 1, self.device)
         primary = c.mem_pool_host
         if callable(getattr(c, "set_draft_kv_pool", None)):
             host = _host_pool(
-                _find_class((f"{_POOL_HOST}.mha", _MPH), "MHATokenToKVPoolHost"),
+                _mha_host_cls(draft),
                 draft,
                 primary.size / draft.size,
                 0,
@@ -774,21 +760,28 @@ def _layer_maps(spec: ModelSpec) -> tuple[dict[int, int], dict[int, int], int]:
     return kv, mamba, spec.num_layers
 
 
-def _kv_device(spec: ModelSpec, device_size: int, mp: Any, alloc_mod: Any, device: str) -> tuple[Any, Any]:
-    kv_pool = mp.MHATokenToKVPool(
+def _mha_device_pool(spec: ModelSpec, size: int, layer_num: int, device: str) -> Any:
+    """SGLang's ``MHATokenToKVPool`` of ``size`` slots and ``layer_num`` layers, with the spec's
+    heads, dtype and page (the target model's KV, or a draft model's)."""
+    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    return mp.MHATokenToKVPool(
         **_kw(
             mp.MHATokenToKVPool.__init__,
-            size=device_size,
+            size=size,
             page_size=spec.page_size,
             dtype=spec.dtype,
             head_num=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            layer_num=len(spec.kv_layer_ids),
+            layer_num=layer_num,
             device=device,
             enable_memory_saver=False,
             enable_alt_stream=False,
         )
     )
+
+
+def _kv_device(spec: ModelSpec, device_size: int, alloc_mod: Any, device: str) -> tuple[Any, Any]:
+    kv_pool = _mha_device_pool(spec, device_size, len(spec.kv_layer_ids), device)
     if spec.page_size == 1:
         allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, device, kv_pool, False)
     else:
@@ -860,7 +853,7 @@ def _build(
     alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
     storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
     cc = importlib.import_module("sglang.srt.managers.cache_controller")
-    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod, device)
+    kv_pool, allocator = _kv_device(spec, device_size, alloc_mod, device)
     mamba_pool = mamba_allocator = None
     if spec.mamba_layer_ids:
         mu = importlib.import_module("sglang.srt.configs.mamba_utils")

@@ -44,6 +44,7 @@ from .testing import (
     _kv_device,
     _kw,
     _mamba_params,
+    _mha_device_pool,
     _module,
     _register_buffers,
     _tensors_of,
@@ -321,25 +322,10 @@ class TreeHarness:
     def _draft_device_pool(self) -> Any:
         """A one-layer draft model's device KV pool, the target's size and page (the draft
         worker's, sharing the target's allocator and so its indices)."""
-        spec = self.harness.spec
-        mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
-        return mp.MHATokenToKVPool(
-            **_kw(
-                mp.MHATokenToKVPool.__init__,
-                size=self.harness.kv_pool.size,
-                page_size=spec.page_size,
-                dtype=spec.dtype,
-                head_num=spec.num_kv_heads,
-                head_dim=spec.head_dim,
-                layer_num=1,
-                device="cpu",
-                enable_memory_saver=False,
-                enable_alt_stream=False,
-            )
-        )
+        return _mha_device_pool(self.harness.spec, self.harness.kv_pool.size, 1, "cpu")
 
     def _draft_layers(self) -> list[torch.Tensor]:
-        return [*self.draft.k_buffer, *self.draft.v_buffer]
+        return self.harness.draft_layers()
 
     def _draft_row_shape(self) -> tuple[int, ...]:
         layers = self._draft_layers()
@@ -549,9 +535,8 @@ def build_tree(
         raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
     prepare("cpu")
     api = _api()
-    mp = importlib.import_module("sglang.srt.mem_cache.memory_pool")
     alloc_mod = importlib.import_module("sglang.srt.mem_cache.allocator")
-    kv_pool, allocator = _kv_device(spec, device_size, mp, alloc_mod, "cpu")
+    kv_pool, allocator = _kv_device(spec, device_size, alloc_mod, "cpu")
     kv_pool.device = "cuda"
     _to_cuda_indices(allocator)
     params = _cache_params(api, allocator, spec.page_size, components=(api.ComponentType.FULL,))
