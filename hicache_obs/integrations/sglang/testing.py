@@ -556,33 +556,36 @@ class SGLangHarness:
         spec, c = self.spec, self.controller
         draft = _mha_device_pool(spec, self.kv_pool.size, 1, self.device)
         primary = c.mem_pool_host
-        if callable(getattr(c, "set_draft_kv_pool", None)):
-            host = _host_pool(
-                _mha_host_cls(draft),
-                draft,
-                primary.size / draft.size,
-                0,
-                spec.page_size,
-                self.layout,
-                pin_memory=self.device == "cuda",
-            )
-            register: Any = lambda: c.set_draft_kv_pool(draft, host)  # noqa: E731
-        elif callable(getattr(c, "register_host_pool_entry", None)):
-            asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
-            host = _host_pool(  # as the release's build_full_draft_pools builds it
-                _mha_host_cls(draft),
-                draft,
-                primary.logical_size / draft.size,
-                0,
-                spec.page_size,
-                self.layout,
-                pin_memory=self.device == "cuda",
+        by_registration = callable(getattr(c, "set_draft_kv_pool", None))
+        if not (by_registration or callable(getattr(c, "register_host_pool_entry", None))):
+            raise IntegrationError(f"SGLang {sglang_version()}: the controller takes no draft KV pool")
+        # as the release's scheduler builds it (maybe_register_hicache_draft), or its
+        # build_full_draft_pools for a sidecar
+        sidecar = (
+            {}
+            if by_registration
+            else dict(
                 pool_label="draft",
                 host_token_capacity=primary.logical_size,
                 device_capacity_tokens=draft.size,
                 start_layer=getattr(draft, "start_layer", None),
                 end_layer=getattr(draft, "end_layer", None),
             )
+        )
+        host = _host_pool(
+            _mha_host_cls(draft),
+            draft,
+            (primary.size if by_registration else primary.logical_size) / draft.size,
+            0,
+            spec.page_size,
+            self.layout,
+            pin_memory=self.device == "cuda",
+            **sidecar,
+        )
+        if by_registration:
+            register: Any = lambda: c.set_draft_kv_pool(draft, host)  # noqa: E731
+        else:
+            asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
             entry = asm.build_pool_entry(
                 name=self.pool_name.DRAFT,
                 host_pool=host,
@@ -592,15 +595,9 @@ class SGLangHarness:
             )
             self.extras["draft_transfer"] = True
             register = lambda: c.register_host_pool_entry(entry)  # noqa: E731
-        else:
-            raise IntegrationError(f"SGLang {sglang_version()}: the controller takes no draft KV pool")
         if self.device == "cpu":
             draft.device = "cuda"
-        from . import kernels
-
-        for t in _tensors_of(draft) + _tensors_of(host):
-            if (t.numel() and t.dtype not in (torch.int64, torch.uint64)) or t.dim() > 1:
-                kernels.register_buffers(t)
+        _register_pool_buffers(draft, host)
         register()
         self.extras["draft"] = draft
         return draft
@@ -709,9 +706,14 @@ def _tensors_of(obj: Any, depth: int = 0) -> list[torch.Tensor]:
 
 
 def _register_buffers(h: SGLangHarness) -> None:
+    _register_pool_buffers(h.kv_pool, h.kv_host, h.mamba_pool, h.mamba_host)
+
+
+def _register_pool_buffers(*pools: Any) -> None:
+    """The data buffers of ``pools`` (None skipped), for the copy stand-ins' pointer tables."""
     from . import kernels
 
-    for obj in (h.kv_pool, h.kv_host, h.mamba_pool, h.mamba_host):
+    for obj in pools:
         if obj is None:
             continue
         for t in _tensors_of(obj):
@@ -782,6 +784,11 @@ def _mha_device_pool(spec: ModelSpec, size: int, layer_num: int, device: str) ->
 
 def _kv_device(spec: ModelSpec, device_size: int, alloc_mod: Any, device: str) -> tuple[Any, Any]:
     kv_pool = _mha_device_pool(spec, device_size, len(spec.kv_layer_ids), device)
+    return kv_pool, _kv_allocator(spec, device_size, alloc_mod, kv_pool, device)
+
+
+def _kv_allocator(spec: ModelSpec, device_size: int, alloc_mod: Any, kv_pool: Any, device: str) -> Any:
+    """SGLang's token (page size 1) or paged allocator over ``kv_pool``."""
     if spec.page_size == 1:
         allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, device, kv_pool, False)
     else:
@@ -796,7 +803,7 @@ def _kv_device(spec: ModelSpec, device_size: int, alloc_mod: Any, device: str) -
                 need_sort=False,
             )
         )
-    return kv_pool, allocator
+    return allocator
 
 
 def _to_cuda_indices(*objs: Any) -> None:

@@ -41,13 +41,14 @@ from .cpu_server import _NoHostRegistration
 from .testing import (
     _PLAIN,
     SGLangHarness,
+    _kv_allocator,
     _kv_device,
     _kw,
     _mamba_params,
     _mha_device_pool,
     _module,
     _register_buffers,
-    _tensors_of,
+    _register_pool_buffers,
     _to_cuda_indices,
     _use_cpu_streams,
     prepare,
@@ -309,7 +310,7 @@ class TreeHarness:
         if not specs:
             raise IntegrationError(f"SGLang {sglang_version()}: build_hicache_draft_sidecars built no draft sidecar")
         draft.device = "cuda"
-        _register_tensors(draft, *(entry.host_pool for entry in entries))
+        _register_pool_buffers(draft, *(entry.host_pool for entry in entries))
         register_all = getattr(self.tree, "register_hicache_draft_pools", None)
         if callable(register_all):  # 0.5.18: the entries to the controller, the specs to the tree
             register_all(specs, entries)
@@ -357,17 +358,6 @@ class TreeHarness:
 
 
 _DRAFT_SALT = b"draft"
-
-
-def _register_tensors(*objs: Any) -> None:
-    """The data buffers of pools built after the harness, for the copy stand-ins' pointer
-    tables (as :func:`.testing._register_buffers` does for the harness's own)."""
-    from . import kernels
-
-    for obj in objs:
-        for t in _tensors_of(obj):
-            if (t.numel() and t.dtype not in (torch.int64, torch.uint64)) or t.dim() > 1:
-                kernels.register_buffers(t)
 
 
 _SCHEDULER_CALLS = (
@@ -797,21 +787,7 @@ def _hybrid_device(spec: ModelSpec, device_size: int, mamba_slots: int, max_reqs
             enable_memory_saver=False,
         )
     )
-    if spec.page_size == 1:
-        allocator = alloc_mod.TokenToKVPoolAllocator(device_size, spec.dtype, "cpu", kv_pool, False)
-    else:
-        allocator = alloc_mod.PagedTokenToKVPoolAllocator(
-            **_kw(
-                alloc_mod.PagedTokenToKVPoolAllocator.__init__,
-                size=device_size,
-                page_size=spec.page_size,
-                dtype=spec.dtype,
-                device="cpu",
-                kvcache=kv_pool,
-                need_sort=False,
-            )
-        )
-    return req_pool, kv_pool, allocator
+    return req_pool, kv_pool, _kv_allocator(spec, device_size, alloc_mod, kv_pool, "cpu")
 
 
 def _mamba_chunk_size(args: Any, spec: ModelSpec) -> None:
