@@ -250,7 +250,7 @@ STREAM_SAFETY = Board(
             Panel(
                 TS, "Audit violations by rule and pool", "short",
                 "Audit findings per rule (unrecorded_index, index_not_on_device, length_mismatch, "
-                "slot_not_allocated, double_free, incomplete_operation, pool_omitted) and pool, per scrape interval.",
+                "slot_not_allocated, double_free, incomplete_operation, pool_omitted, misplaced_indices) and pool, per scrape interval.",
                 ((sum_by("rule, pool", rate(m.AUDIT_VIOLATIONS_TOTAL, fn="increase")), "{{rule}} {{pool}}"),),
                 width=12, stack=True,
             ),

@@ -34,7 +34,8 @@ def register(sub: Any) -> None:
         help="replay logs and report stream-safety and slot violations",
         description="Replay event logs (files or folders of events*.jsonl segments, one or "
         "several ranks) and apply the audit rules: unrecorded_index, index_not_on_device, "
-        "length_mismatch, slot_not_allocated, double_free, incomplete_operation.",
+        "length_mismatch, slot_not_allocated, double_free, incomplete_operation, pool_omitted, "
+        "misplaced_indices.",
         epilog=_EPILOG,
         formatter_class=formatter,
     )

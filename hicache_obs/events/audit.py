@@ -19,7 +19,13 @@ Rules (each finding names op, pool, role, stream and what was wrong):
 - ``incomplete_operation``: an op submitted but never completed or failed, at log end;
 - ``pool_omitted``: an op moved a pool but not a pool the controller registers to move
   with that pool's slots (``TransferSubmitted.sidecar_pools``: a draft model's KV), so that
-  pool's data is never backed up, or stale after the load (SGLang #27953).
+  pool's data is never backed up, or stale after the load (SGLang #27953);
+- ``misplaced_indices``: a pool's free or allocation was handed an index tensor on a device
+  other than the one the pool's indices live on (``IndicesMisplaced``: a transfer's moved
+  device indices given to a host pool's free, SGLang #23427). No op: the finding has op -1.
+
+A free the engine refused (``FreeRefused``: it raised and changed nothing) of slots that were
+already free is a ``double_free``, with what it raised.
 
 Live: ``Auditor().attach(log)`` is a stage of the log (``EventLog.add_stage``): it sees
 each event before it is stored, and each finding becomes an ``AuditViolation`` stored
@@ -60,7 +66,9 @@ from .schema import (
     EVENT_TYPES,
     AuditViolation,
     Event,
+    FreeRefused,
     IndicesFreed,
+    IndicesMisplaced,
     IndicesMoved,
     OperationsMerged,
     PoolCreated,
@@ -103,6 +111,7 @@ RULES = (
     "double_free",
     "incomplete_operation",
     "pool_omitted",
+    "misplaced_indices",
 )
 
 
@@ -387,6 +396,8 @@ class Auditor:
             TransferCompleted: self._completed,
             TransferFailed: self._failed,
             IndicesFreed: self._indices_freed,
+            IndicesMisplaced: self._misplaced,
+            FreeRefused: self._free_refused,
         }
         # fold mode: per event type, the CacheState handler and the rule handler (either
         # may be None); one lookup per event, no CacheState.apply in between
@@ -609,6 +620,38 @@ class Auditor:
                 "holds the indices the op received (use after free)",
                 stream=sub.stream,
                 direction=sub.direction,
+                seq=ev.seq,
+            )
+
+    def _misplaced(self, ev: IndicesMisplaced, r: _RankAudit) -> None:
+        t = ev.tensor
+        self._report(
+            "misplaced_indices",
+            ev.pool,
+            ev.tier,
+            -1,
+            ev.rank,
+            f"{ev.tier} pool {ev.pool!r}: {ev.call}() was handed {t.numel} indices on {t.device}, "
+            f"where the pool's indices live on {ev.expected}",
+            seq=ev.seq,
+        )
+
+    def _free_refused(self, ev: FreeRefused, r: _RankAudit) -> None:
+        """A free the engine refused: a ``double_free`` for the slots handed that were free."""
+        values = ev.tensor.indices
+        table = r.tables.get((ev.pool, ev.tier))
+        if values is None or table is None:
+            return
+        bad = first_slots(bad_runs(table, CHECK, values, 8))
+        if bad:
+            self._report(
+                "double_free",
+                ev.pool,
+                ev.tier,
+                -1,
+                ev.rank,
+                f"{ev.tier} pool {ev.pool!r}: {ev.call}() was handed slots {bad}, already free, "
+                f"and refused them ({ev.error})",
                 seq=ev.seq,
             )
 

@@ -52,6 +52,8 @@ from .schema import (
     AllocationFailed,
     AuditViolation,
     Event,
+    FreeRefused,
+    IndicesMisplaced,
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -84,7 +86,9 @@ UNRECORDED_RULE = "unrecorded_index"
 OMITTED_RULE = "pool_omitted"
 
 #: Event types that never touch an operation: :meth:`OpLifecycles.apply` returns None for them.
-NOT_OP_EVENTS = frozenset({PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed})
+NOT_OP_EVENTS = frozenset(
+    {PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed, IndicesMisplaced, FreeRefused}
+)
 
 OpKey = tuple[int, int]  # (rank, op)
 

@@ -32,6 +32,8 @@ __all__ = [
     "TransferCompleted",
     "TransferFailed",
     "IndicesFreed",
+    "IndicesMisplaced",
+    "FreeRefused",
     "AuditViolation",
     "AnyEvent",
     "EVENT_TYPES",
@@ -56,11 +58,12 @@ LOG_FORMAT = "hicache-obs/events"
 #: the same, with each ``AuditViolation`` right before the event that revealed it (with
 #: that event's ``ts_ns``), the end-of-log ones after every event (version 1 logged them
 #: after the revealing event). Version 3: version 2, with one more event type a reader of
-#: version 2 does not know (``IndicesFreed``). See docs/events.md, "Compatibility".
-LOG_FORMAT_VERSION = 3
+#: version 2 does not know (``IndicesFreed``). Version 4: version 3, with two more
+#: (``IndicesMisplaced``, ``FreeRefused``). See docs/events.md, "Compatibility".
+LOG_FORMAT_VERSION = 4
 #: The versions this reader reads; a segment of a newer version is refused
 #: (:class:`~hicache_obs.errors.UnsupportedLogVersionError`). See docs/events.md, "Compatibility".
-READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
 
 #: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
 MAX_CAPACITY = 1 << 28
@@ -218,6 +221,33 @@ class IndicesFreed(Event, frozen=True, kw_only=True):
     tensor: TensorRef
 
 
+class IndicesMisplaced(Event, frozen=True, kw_only=True):
+    """An index tensor handed to a pool's free or allocation (``call``: its method) on a
+    device other than ``expected``, the device the pool's indices live on: host indices on
+    a GPU, device indices on the CPU (SGLang #23427 handed a host pool's free the indices a
+    transfer had moved to the GPU). Read from the tensor's device, never its values.
+    Reported before the call runs."""
+
+    pool: str
+    tier: Tier
+    call: str
+    expected: str
+    tensor: TensorRef
+
+
+class FreeRefused(Event, frozen=True, kw_only=True):
+    """A pool's free (``call``) raised and left its free lists as they were: what it was
+    handed (``tensor``, with its values where they were on the CPU) and what it raised
+    (``error``), so that a check of the engine's own (a double-free assertion) does not
+    take the evidence with it."""
+
+    pool: str
+    tier: Tier
+    call: str
+    tensor: TensorRef
+    error: str
+
+
 class AuditViolation(Event, frozen=True, kw_only=True):
     op: int
     rule: str
@@ -241,6 +271,8 @@ AnyEvent = (
     | TransferCompleted
     | TransferFailed
     | IndicesFreed
+    | IndicesMisplaced
+    | FreeRefused
     | AuditViolation
 )
 
@@ -259,6 +291,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
         TransferCompleted,
         TransferFailed,
         IndicesFreed,
+        IndicesMisplaced,
+        FreeRefused,
         AuditViolation,
     )
 }

@@ -12,6 +12,7 @@ from event_workloads import fill, hybrid_round_trip, run_workload
 from hicache_obs.core import ModelSpec, PoolTransfer
 from hicache_obs.events import AuditViolation, TransferSubmitted
 from hicache_obs.events.audit import RULES, Auditor, Finding, audit
+from hicache_obs.events.schema import FreeRefused, IndicesMisplaced, PoolCreated, TensorRef
 from hicache_obs.testing import make_controller
 
 
@@ -150,7 +151,43 @@ def test_every_rule_is_covered_by_a_fault() -> None:
     omitted = [f for f in audit(events) if f.rule == "pool_omitted"]
     assert {(f.pool, f.direction) for f in omitted} == {("draft", "d2h"), ("draft", "h2d")}
     seen |= {f.rule for f in omitted}
+    # nor does it take indices of another device in a free (it refuses them); SGLang's pools do
+    # (tests/integrations/sglang/test_misplaced_indices.py): the adapter's evidence, as it logs it
+    misplaced = [f for f in audit([*events, _misplaced(len(events))]) if f.rule == "misplaced_indices"]
+    assert [(f.pool, f.role, f.op) for f in misplaced] == [("mamba", "host", -1)]
+    seen |= {f.rule for f in misplaced}
     assert seen == set(RULES)
+
+
+def _misplaced(seq: int) -> IndicesMisplaced:
+    ref = TensorRef(pool="mamba", role="host", device="cuda:0", numel=2, dtype="int64", ptr=4096)
+    return IndicesMisplaced(seq=seq, ts_ns=seq, pool="mamba", tier="host", call="free", expected="cpu", tensor=ref)
+
+
+def test_misplaced_indices_names_the_call_and_both_devices() -> None:
+    (f,) = audit([_misplaced(0)])
+    assert f.rule == "misplaced_indices" and f.op == -1 and f.seq == 0
+    assert f.detail == "host pool 'mamba': free() was handed 2 indices on cuda:0, where the pool's indices live on cpu"
+
+
+def test_a_refused_free_of_free_slots_is_a_double_free_and_of_allocated_ones_nothing() -> None:
+    c, _ = _audited(None)
+    kv = c.alloc_device(16)
+    events = [e for e in c.log.events() if not isinstance(e, AuditViolation)]
+    n = len(events)
+
+    def refused(seq: int, start: int) -> FreeRefused:
+        ref = TensorRef(pool="kv", role="device", device="cpu", numel=2, dtype="int64", ptr=64, indices=((start, 2),))
+        return FreeRefused(
+            seq=seq, ts_ns=seq, pool="kv", tier="device", call="free", tensor=ref, error="AssertionError: Double-free"
+        )
+
+    first = int(kv[0])
+    created = next(e for e in events if isinstance(e, PoolCreated) and (e.pool, e.tier) == ("kv", "device"))
+    free_start = created.capacity - 2  # never allocated
+    found = audit([*events, refused(n, first), refused(n + 1, free_start)])
+    assert [(f.rule, f.pool, f.role, f.seq) for f in found] == [("double_free", "kv", "device", n + 1)]
+    assert found[0].detail.endswith("already free, and refused them (AssertionError: Double-free)")
 
 
 def test_unrecorded_fault_corrupts_data_that_the_real_controller_keeps() -> None:

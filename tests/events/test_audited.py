@@ -12,7 +12,7 @@ from event_workloads import hybrid_round_trip
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import AuditViolation, EventLog, TransferCompleted, TransferSubmitted
 from hicache_obs.events.audit import RULES, Auditor, audit, audit_batch, audited
-from hicache_obs.events.schema import Event
+from hicache_obs.events.schema import Event, IndicesMisplaced, TensorRef
 from hicache_obs.testing import make_controller
 
 
@@ -29,14 +29,15 @@ SCENARIOS: dict[str, tuple[Any, str]] = {
     "double-free": (lambda c: hybrid_round_trip(c, evict_host_first=True, double_evict=True), "double_free"),
     "incomplete": (_unfinished_write, "incomplete_operation"),
     "omitted-sidecar": (hybrid_round_trip, "pool_omitted"),
+    "misplaced-free": (hybrid_round_trip, "misplaced_indices"),
 }
 
 
 def _live_log(fault: str) -> list[Event]:
     """A log with its violations logged by a live auditor (after the events that revealed them)."""
     scenario, _ = SCENARIOS[fault]
-    if fault == "omitted-sidecar":
-        return _sidecar_log()
+    if fault in ("omitted-sidecar", "misplaced-free"):
+        return _sidecar_log(fault)
     c = make_controller(fault=None if fault == "incomplete" else fault, device_size=512, io_backend="kernel")
     auditor = Auditor().attach(c.log)
     scenario(c)
@@ -44,9 +45,11 @@ def _live_log(fault: str) -> list[Event]:
     return list(c.log.events())
 
 
-def _sidecar_log() -> list[Event]:
+def _sidecar_log(fault: str) -> list[Event]:
     """Our controller registers no pool that moves with another's slots (SGLang's does: a draft
-    model's KV): its clean round trip, emitted into a live-audited log saying it had one."""
+    model's KV) and takes no free of indices on another device (it refuses them; SGLang's pools
+    do): its clean round trip, emitted into a live-audited log saying it had one, or with a
+    Mamba host free handed device indices after the first completion."""
     c = make_controller(device_size=512, io_backend="kernel")
     hybrid_round_trip(c)
     log = EventLog()
@@ -54,9 +57,12 @@ def _sidecar_log() -> list[Event]:
     for e in c.log.events():
         fields = msgspec.structs.asdict(e)
         del fields["seq"], fields["ts_ns"], fields["rank"]
-        if isinstance(e, TransferSubmitted):
+        if isinstance(e, TransferSubmitted) and fault == "omitted-sidecar":
             fields["sidecar_pools"] = (("draft", "kv"),)
         log.emit(type(e), **fields)
+        if isinstance(e, TransferCompleted) and fault == "misplaced-free" and e.op == 0:
+            ref = TensorRef(pool="mamba", role="host", device="cuda:0", numel=2, dtype="int64", ptr=4096)
+            log.emit(IndicesMisplaced, pool="mamba", tier="host", call="free", expected="cpu", tensor=ref)
     auditor.finish()
     return list(log.events())
 
@@ -129,6 +135,8 @@ def test_each_rule_is_placed_before_its_event_and_nothing_is_doubled(fault: str)
         assert f.seq == target.seq
         if v.rule == "unrecorded_index":
             assert isinstance(target, TransferCompleted) and target.op == v.op
+        elif v.rule == "misplaced_indices":  # the adapter's evidence, before the free ran
+            assert isinstance(target, IndicesMisplaced) and v.op == -1
         else:  # found at submission or at a free
             assert type(target).__name__ in ("TransferSubmitted", "SlotsFreed")
 

@@ -17,6 +17,8 @@ from hicache_obs.events.lifecycle import NOT_OP_EVENTS, PHASES, OpLifecycles, Op
 from hicache_obs.events.schema import (
     AllocationFailed,
     AuditViolation,
+    FreeRefused,
+    IndicesMisplaced,
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -218,6 +220,9 @@ def test_h_a_violation_of_a_negative_or_unknown_op_is_loose() -> None:
     assert lc.apply(late) == (Step.VIOLATION, lc.get(0, 1))
 
 
+_ref = TensorRef(pool="kv", role="host", device="cuda:0", numel=4, dtype="int64", ptr=64)
+
+
 def test_events_that_touch_no_op_return_none() -> None:
     pool = PoolCreated(**_h(1), pool="kv", tier="device", capacity=8, page_size=1, slot_bytes=8, layout="lf")
     evs = [
@@ -225,9 +230,11 @@ def test_events_that_touch_no_op_return_none() -> None:
         SlotsAllocated(**_h(2), pool="kv", tier="device", indices=((0, 4),), op=3),
         SlotsFreed(**_h(3), pool="kv", tier="device", indices=((0, 4),), op=3),
         AllocationFailed(**_h(4), pool="kv", tier="device", requested=9, available=8),
+        IndicesMisplaced(**_h(5), pool="kv", tier="host", call="free", expected="cpu", tensor=_ref),
+        FreeRefused(**_h(6), pool="kv", tier="host", call="free", tensor=_ref, error="AssertionError"),
     ]
     lc, steps = fold(evs)
-    assert steps == [None, None, None, None]
+    assert steps == [None] * 6
     assert {type(e) for e in evs} == NOT_OP_EVENTS
     assert lc.records == {} and lc.anomalies == []
 

@@ -59,7 +59,9 @@ from ...events.log import EventLog
 from ...events.schema import (
     D2H,
     H2D,
+    FreeRefused,
     IndicesFreed,
+    IndicesMisplaced,
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -568,6 +570,44 @@ def _free_lists_elsewhere(obj: Any) -> bool:
     hands out slots from allocators of its own (SGLang's SWA allocator, whose lists are its
     full and SWA allocators')."""
     return any(hasattr(obj, names[0][0]) and getattr(obj, names[0][0]) is None for _, names in _FREE_LIST_NAMES)
+
+
+def _list_device(obj: Any) -> str | None:
+    """The device of an allocator's first free list, as its tensor reports it: where the
+    indices its free and allocation calls take belong (None: no tensor to tell)."""
+    found = _free_lists(obj)
+    part = next((p for p in found[1] if isinstance(p, torch.Tensor)), None) if found else None
+    if part is None:
+        return None
+    with NO_TORCH_FUNCTION():
+        return device_name(part)
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+
+
+def _handed_indices(kind: str, original: Callable[..., Any]) -> Callable[..., Any] | None:
+    """How to find the index tensor a slot call is handed: a free's indices (its first
+    tensor), an allocation's ``last_loc`` (the slot each request ends at); None for calls
+    handed none (an allocation by count, a reset). An allocation's lengths are not indices:
+    SGLang passes some on the CPU by design (``seq_lens_cpu``)."""
+    if kind in ("slots", "pages"):
+        return _first_tensor
+    if kind != "take":
+        return None
+    try:
+        names = list(inspect.signature(original).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "last_loc" not in names:
+        return None
+    at = names.index("last_loc")
+
+    def last_loc(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return kwargs.get("last_loc", args[at] if len(args) > at else None)
+
+    return last_loc
 
 
 def _values(part: Any) -> Any:
@@ -1263,24 +1303,32 @@ class Instrumentation:
         ``SlotsFreed`` / ``SlotsAllocated`` are the slots that really rejoined or left them
         (:meth:`_FreeList.settle`). Installed by :meth:`_wrap_slots` (outermost calls only)."""
         log, failed, watch, held = self.log, self._failed, self._watches[(pool, tier)], self._held
+        expected = _list_device(watch.obj)
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            kind = _SLOT_CALLS.get(getattr(original, "__name__", ""), "reset")
+            call = getattr(original, "__name__", "")
+            kind = _SLOT_CALLS.get(call, "reset")
             check = kind == "slots" and tier == "device"
+            handed = _handed_indices(kind, original) if expected is not None else None
 
             def slots(*args: Any, **kwargs: Any) -> Any:
                 if check and held:
                     self._check_held(pool, tier, args, kwargs)
+                if handed is not None:
+                    self._check_device(pool, tier, call, expected or "", handed(args, kwargs))
                 try:
                     with NO_TORCH_FUNCTION():
                         before = watch.read()
                 except Exception:
                     failed("read an allocator's free lists")
                     return original(*args, **kwargs)
-                out = None
+                out = error = None
                 try:
                     out = original(*args, **kwargs)
                     return out
+                except BaseException as exc:
+                    error = exc
+                    raise
                 finally:  # also what a call that raised changed before it did
                     try:
                         with NO_TORCH_FUNCTION():
@@ -1289,6 +1337,8 @@ class Instrumentation:
                             log.emit(SlotsFreed, pool=pool, tier=tier, indices=returned)
                         if taken:
                             log.emit(SlotsAllocated, pool=pool, tier=tier, indices=taken)
+                        if error is not None and kind == "slots" and not returned and not taken:
+                            self._refused(pool, tier, call, args, kwargs, error)
                     except Exception:
                         failed("record the slots an allocator call took or returned")
                     if self._durable is not None:
@@ -1305,9 +1355,15 @@ class Instrumentation:
         held = self._held
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            call = getattr(original, "__name__", "free")
+            owner = getattr(original, "__self__", None)
+            expected = _list_device(owner) if owner is not None else None
+
             def free(*args: Any, **kwargs: Any) -> Any:
                 if held:
                     self._check_held(pool, "device", args, kwargs)
+                if expected is not None:
+                    self._check_device(pool, "device", call, expected, _first_tensor(args, kwargs))
                 return original(*args, **kwargs)
 
             free.__wrapped__ = original  # type: ignore[attr-defined]
@@ -1566,6 +1622,39 @@ class Instrumentation:
             self._failed("compare a free with the tensors of ops in flight")
             return
         self._sync_findings()
+
+    def _check_device(self, pool: str, tier: str, call: str, expected: str, t: Any) -> None:
+        """Before a free or allocation runs: an ``IndicesMisplaced`` where the index tensor it
+        was handed is not on ``expected``, the device of the pool's free lists (reads the
+        tensor's device, never its values; guards itself)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        try:
+            with NO_TORCH_FUNCTION():
+                dev = device_name(t)
+                if dev == expected:
+                    return
+                ref = tensor_ref(t, pool, "host" if tier == "host" else "device", dev)
+            self._emit(IndicesMisplaced, pool=pool, tier=tier, call=call, expected=expected, tensor=ref)
+        except Exception:
+            self._failed("compare the device of a free's indices with its pool's")
+            return
+        self._sync_findings()
+
+    def _refused(
+        self, pool: str, tier: str, call: str, args: tuple[Any, ...], kwargs: dict[str, Any], error: BaseException
+    ) -> None:
+        """A free that raised and changed nothing: a ``FreeRefused`` with what it was handed
+        (its values where they are on the CPU) and what it raised."""
+        t = _first_tensor(args, kwargs)
+        if t is None:
+            return
+        with NO_TORCH_FUNCTION():
+            ref = tensor_ref(t, pool, "host" if tier == "host" else "device")
+        text = f"{type(error).__name__}: {error}"
+        self.log.emit(
+            FreeRefused, pool=pool, tier=tier, call=call, tensor=ref, error=text if len(text) <= 200 else text[:199] + "…"
+        )
 
     def _settle_acks(self, sub: _Submission, op_id: int, error: BaseException | None) -> None:
         """A submission's acks await their op's completion; a submission that raised is a

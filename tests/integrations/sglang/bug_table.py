@@ -255,7 +255,24 @@ def render() -> str:
             for c in load(release):
                 if c.row == r.number:
                     lines.append(f"| {release} | {c.io_backend} | {c.layout} | {_findings(c.findings)} | {c.outcome} |")
+    lines += ["", *NOT_ON_PYPI]
     return "\n".join(lines) + "\n"
+
+
+#: The bugs of the same class that SGLang fixed before any release shipped them: no release to
+#: measure, so the tests put the fault in by hand (tests/integrations/sglang/test_misplaced_indices.py).
+NOT_ON_PYPI = [
+    "## Fixed before a release",
+    "",
+    "SGLang #23427 (a regression of #22940's first fix, fixed before any release on PyPI): the",
+    "hybrid controller moved a Mamba transfer's host indices to the GPU in place, in the tree's",
+    "own transfer record, and the host eviction later handed those GPU indices to the Mamba host",
+    "pool's free, which crashed on the device mismatch. The rule `misplaced_indices` reports a",
+    "free (or an allocation's `last_loc`) handed indices on another device than the pool's free",
+    "lists, before the call runs, from the tensor's device alone. The tests hand the Mamba host",
+    "pool's free a transfer's indices on the device, and a device pool's free host indices, on",
+    "every pinned release; every clean run of the table above is also clean of this rule.",
+]
 
 
 if __name__ == "__main__":
