@@ -19,7 +19,10 @@ HiCache controller (built on this machine's CPU, instrumented by
 with the same pipeline and summary. It refuses what it cannot honour (``--model tiny_swa``,
 a ``--runtime`` other than ``cpu`` or ``cuda``, ``--layout page_first_direct`` without
 ``--io-backend direct``, any ``--fault``: it injects nothing, SGLang 0.5.10 *is* the
-pre-#22940 code) and defaults ``--layout`` to the installed release's own default. A copy
+pre-#22940 code) and defaults ``--layout`` to the installed release's own default; where the
+release's Mamba host pool refuses that layout and neither ``--layout`` nor ``--io-backend``
+was given (0.5.14 to 0.5.1x take ``page_first_direct`` only), it runs the hybrid model with
+``--io-backend direct --layout page_first_direct`` and says so on stderr. A copy
 SGLang raises in (0.5.10's kernel backend on the hybrid model) is a failed transfer,
 counted like ours.
 """
@@ -155,9 +158,9 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--io-backend",
         choices=list(IO_BACKENDS),
-        default="kernel",
+        default=None,
         metavar="NAME",
-        help="%(choices)s (default: %(default)s)",
+        help="%(choices)s (default: kernel)",
     )
     p.add_argument(
         "--layout",
@@ -250,6 +253,7 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     from ..workload import Workload, controller_options
 
     if getattr(args, "engine", "ours") == "sglang":
+        args.io_backend = args.io_backend or "kernel"
         return _run_server(args)
     spec = ModelSpec.preset(args.model)
     # before torch is asked for terabytes; on cuda the device tier is the GPU's memory, not this
@@ -261,6 +265,7 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     else:
         args.runtime = args.runtime or DEFAULT_RUNTIME
         args.layout = args.layout or DEFAULT_LAYOUT
+        args.io_backend = args.io_backend or "kernel"
         fault_class(args.fault, spec)  # an impossible fault/model pair fails before anything starts
         runtime = make_runtime(args.runtime)  # so does a runtime this machine lacks: before --out is touched
     out = Path(args.out)
@@ -513,22 +518,41 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
 
     Resolves ``args.runtime`` (``cpu`` unless ``cuda``) and ``args.layout`` (the release's default when not
     given; the one SGLang really uses, e.g. ``page_first_direct`` for direct + page_first)."""
+    from ..errors import ConfigError
     from ..integrations.sglang import engine
 
+    chosen = args.layout is not None or args.io_backend is not None
+    args.io_backend = args.io_backend or "kernel"
     engine.check_options(
         model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
     )
     engine.require_sglang()
     args.runtime = args.runtime or engine.ENGINE_RUNTIME
     layout = args.layout or engine.default_layout(args.runtime)
-    harness = engine.build_harness(
-        spec,
-        io_backend=args.io_backend,
-        layout=layout,
-        write_policy=args.write_policy,
-        device_tokens=args.device_tokens,
-        runtime=args.runtime,
-    )
+
+    def build(io_backend: str, layout: str) -> Any:
+        return engine.build_harness(
+            spec,
+            io_backend=io_backend,
+            layout=layout,
+            write_policy=args.write_policy,
+            device_tokens=args.device_tokens,
+            runtime=args.runtime,
+        )
+
+    try:
+        harness = build(args.io_backend, layout)
+    except ConfigError as exc:
+        # the release's Mamba host pool takes page_first_direct (with the direct backend) only
+        if chosen or not spec.mamba_layer_ids or "page_first_direct" not in str(exc):
+            raise
+        harness = build("direct", "page_first_direct")
+        print(
+            f"hicache-obs: {str(exc).rstrip('.')}; running --io-backend direct --layout page_first_direct instead",
+            file=sys.stderr,
+            flush=True,
+        )
+        args.io_backend = "direct"
     args.layout = harness.layout
     return harness
 
@@ -683,7 +707,7 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
     con = console()
     e = escape_text  # pool names (SGLang's, or a log's), paths and URLs are printed as given, not as markup
     fault = f", fault {s['fault']}" if s["fault"] else ""
-    engine = f"SGLang {s['sglang_release']}'s controller" if s.get("engine") == "sglang" else "our controller"
+    engine = f"SGLang {s['sglang_release']}'s controller" if s.get("sglang_release") else "our controller"
     con.print(
         f"[bold]hicache-obs demo[/]: {s['model']} on {s['runtime']} ({engine}), {s['steps']} requests, seed {s['seed']}, "
         f"{s['wall_seconds']:.2f} s\n"

@@ -1498,7 +1498,13 @@ class Instrumentation:
     def _finish(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         """A submission's events, once its call returned or raised (guards itself)."""
         if sub.op is None and error is None:
-            return  # nothing was merged (an empty queue raced us)
+            if not (sub.uses or sub.acks):
+                return  # nothing was merged (an empty queue raced us)
+            try:  # copies ran with no op-level move (0.5.17's staged write-back skips it)
+                sub.op = _unmoved_view(sub)
+            except Exception:
+                self._failed("describe a submission without a move")
+                return
         try:
             with NO_TORCH_FUNCTION():
                 self._submitted(sub, result, error)
@@ -1754,6 +1760,21 @@ def _merged_view(sub: _Submission, host: torch.Tensor, device: torch.Tensor) -> 
         op_id = counter - 1
     node_ids = [n for op in ops for n in getattr(op, "node_ids", [])]
     return _OpView(op_id, host, device, node_ids, min(int(op.priority) for op in ops))
+
+
+def _unmoved_view(sub: _Submission) -> _OpView:
+    """The merged op of a submission whose indices no move touched: its id as
+    :func:`_merged_view` finds it, the queued ops' indices (one op's, or their concatenation, as
+    ``merge_ops`` makes it) and all their pool transfers (what the slot counts read)."""
+    ops = sub.queued_ops
+    if len(ops) == 1:
+        host, device = ops[0].host_indices, ops[0].device_indices
+    else:
+        host = torch.cat([op.host_indices for op in ops])
+        device = torch.cat([op.device_indices for op in ops])
+    view = _merged_view(sub, host, device)
+    view.pool_transfers = [t for op in ops for t in (getattr(op, "pool_transfers", None) or ())]
+    return view
 
 
 def _rank_of(controller: Any) -> int:

@@ -67,7 +67,7 @@ from ...events.schema import (
 )
 from ...events.state import CacheState
 from .adapter import Instrumentation, instrument
-from .testing import SGLangHarness, build_controller, prepare, sglang_version
+from .testing import LayoutRefused, SGLangHarness, build_controller, prepare, sglang_version
 
 __all__ = [
     "ENGINE_RUNTIME",
@@ -661,13 +661,16 @@ def build_harness(
                 write_policy=write_policy,
                 device=runtime,
             )
+    except LayoutRefused as refused:  # SGLang's own check, as the harness names it
+        exc: BaseException = refused.__cause__ or refused
     except (ConfigError, IntegrationError):
         raise
-    except Exception as exc:  # SGLang's own checks (an assert on the layout, a ValueError)
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"SGLang {release} refuses --model {spec.name} --io-backend {io_backend} --layout {layout}: {detail}"
-        ) from None
+    except Exception as other:  # SGLang's own checks (an assert on the layout, a ValueError)
+        exc = other
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    raise ConfigError(
+        f"SGLang {release} refuses --model {spec.name} --io-backend {io_backend} --layout {layout}: {detail}"
+    ) from None
 
 
 def build_engine(harness: SGLangHarness, *, log: EventLog, write_policy: str = "write_through") -> SGLangEngine:

@@ -31,6 +31,7 @@ that raise if called). A process is prepared for one device (:func:`prepare`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -39,7 +40,8 @@ import inspect
 import sys
 import threading
 import types
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +57,11 @@ __all__ = [
     "DEVICES",
     "SGL_KERNEL_IMPORTS",
     "CudaStandIn",
+    "LayoutRefused",
     "SGLangHarness",
     "build_controller",
     "kernel_sources",
+    "mamba_host_layouts",
     "prepare",
     "sglang_version",
 ]
@@ -277,6 +281,7 @@ def prepare(device: str | None = None) -> None:
             mode = _CudaMode()
             mode.__enter__()  # process-wide for this thread: test support only
             _state["mode"] = mode
+            _install_current_stream_stand_in()
         else:
             _name_missing_ops(installation)
         # import what the builders use here, in a shallow frame: an SGLang module keeps a
@@ -288,6 +293,38 @@ def prepare(device: str | None = None) -> None:
                 pass
         _bind_kernels()
         _state["ready"] = device
+
+
+_blocks = threading.local()  # .streams: the streams of the torch.cpu.stream blocks this thread is in
+
+
+def _install_current_stream_stand_in() -> None:
+    """``torch.cuda.current_stream`` without CUDA: SGLang 0.5.17's host pool group records the
+    host indices it moved on ``torch.cuda.current_stream(device)`` itself, inside the copy's
+    ``device_module.stream(...)`` block (``torch.cpu.stream`` here). The stand-in returns the
+    stream of the innermost such block on this thread, the very object the controller holds
+    (the adapter knows its streams by object), or the CPU's current stream outside one."""
+    if torch.cuda.is_available() or _state.get("current_stream"):
+        return
+    block = torch.cpu.stream
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Iterator[None]:
+        stack = _blocks.__dict__.setdefault("streams", [])
+        stack.append(s)
+        try:
+            with block(s):
+                yield
+        finally:
+            stack.pop()
+
+    def current_stream(device: Any = None) -> Any:
+        stack = getattr(_blocks, "streams", None)
+        return stack[-1] if stack else torch.cpu.current_stream()
+
+    torch.cpu.stream = stream  # type: ignore[assignment]
+    torch.cuda.current_stream = current_stream  # type: ignore[assignment]
+    _state["current_stream"] = True
 
 
 #: What SGLang's HiCache modules import of sgl-kernel beyond ``kvcacheio`` at import time on a
@@ -587,11 +624,15 @@ class SGLangHarness:
         else:
             asm = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
             entry = asm.build_pool_entry(
-                name=self.pool_name.DRAFT,
-                host_pool=host,
-                device_pool=draft,
-                layer_mapping={i: i for i in range(draft.layer_num)},
-                transfer_layer_id_max=host.layer_num,
+                **_kw(
+                    asm.build_pool_entry,
+                    name=self.pool_name.DRAFT,
+                    host_pool=host,
+                    device_pool=draft,
+                    layer_mapping={i: i for i in range(draft.layer_num)},
+                    transfer_layer_num=host.layer_num,  # up to 0.5.20
+                    transfer_layer_id_max=host.layer_num,  # 0.5.21 on
+                )
             )
             self.extras["draft_transfer"] = True
             register = lambda: c.register_host_pool_entry(entry)  # noqa: E731
@@ -679,13 +720,63 @@ def build_controller(
         layout = "page_first_direct"
     prepare(device)  # refuses an unknown device first
     release = sglang_version() or ""
-    h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy, device)
+    try:
+        h = _build(spec, io_backend, layout, device_size, host_ratio, write_policy, device)
+    except (ValueError, AssertionError) as exc:
+        if spec.mamba_layer_ids and _raised_by_mamba_host_pool(exc):
+            raise LayoutRefused(f"SGLang {release}'s MambaPoolHost refuses layout {layout!r}: {exc}") from exc
+        raise
     h.release = release
     h.device = device
     if device == "cpu":
         _use_cpu_streams(h.controller)
     _register_buffers(h)
     return h
+
+
+class LayoutRefused(ConfigError):
+    """The installed release's Mamba host pool refuses the host layout asked for (SGLang's own
+    check, raised as it builds the pool): the message names the release, the layout and what
+    SGLang said; ``__cause__`` is SGLang's exception."""
+
+
+def _raised_by_mamba_host_pool(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while SGLang's ``MambaPoolHost`` built itself."""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "__init__" and type(frame.f_locals.get("self")).__name__ == "MambaPoolHost":
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_MAMBA_LAYOUTS: dict[str, tuple[str, ...]] = {}
+
+
+def mamba_host_layouts() -> tuple[str, ...]:
+    """The host layouts the installed release's Mamba host pool takes, found by building one
+    of each (cached): SGLang refuses the others when it builds the pool (0.5.14 to 0.5.1x take
+    ``page_first_direct`` only, 0.5.2x the page layouts): :class:`LayoutRefused`. Anything
+    else propagates."""
+    release = sglang_version() or ""
+    found = _MAMBA_LAYOUTS.get(release)
+    if found is None:
+        ok = []
+        for layout, io_backend in (
+            ("page_first", "kernel"),
+            ("layer_first", "kernel"),
+            ("page_first_direct", "direct"),
+        ):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    build_controller(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout, device_size=64)
+            except LayoutRefused:
+                continue
+            ok.append(layout)
+        found = _MAMBA_LAYOUTS[release] = tuple(ok)
+    return found
 
 
 def _tensors_of(obj: Any, depth: int = 0) -> list[torch.Tensor]:

@@ -24,6 +24,38 @@ SERVER_RELEASE = pytest.mark.skipif(
 )
 
 
+def mamba_layouts() -> tuple[str, ...]:
+    """The host layouts the installed release's Mamba host pool takes (all three without SGLang)."""
+    if RELEASE is None:
+        return ("page_first", "layer_first", "page_first_direct")
+    from hicache_obs.integrations.sglang.testing import mamba_host_layouts
+
+    return mamba_host_layouts()
+
+
+def needs_mamba_layout(layout: str) -> None:
+    """Skip where the installed release's Mamba host pool refuses ``layout`` (SGLang raises)."""
+    if layout not in mamba_layouts():
+        pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost refuses layout {layout} (takes {', '.join(mamba_layouts())})")
+
+
+def hybrid_backend() -> tuple[str, str]:
+    """An (io backend, layout) pair the installed release takes for a hybrid Mamba model: the
+    kernel backend with page_first where it can, else direct with page_first_direct (0.5.14 to
+    0.5.1x take nothing else)."""
+    return ("kernel", "page_first") if "page_first" in mamba_layouts() else ("direct", "page_first_direct")
+
+
+def skip_draft_with_the_kernel_backend_on_0_5_17(io_backend: str) -> None:
+    """0.5.17's hybrid controller skips the op-level move where its host pool group moves the
+    indices per pool, and hands a ``set_draft_kv_pool`` draft host pool (not in the group) the
+    op's CPU host indices. With the kernel backend that pool copies with the staged write-back
+    kernel on a GPU that builds it; without it (this CPU) its copy refuses CPU indices, as
+    sgl-kernel does. 0.5.18 moves through its L2 engine, 0.5.20 per pool, the draft included."""
+    if io_backend == "kernel" and release_tuple() == (0, 5, 17):
+        pytest.skip("SGLang 0.5.17 hands the draft host pool CPU host indices its kernel copy refuses here")
+
+
 def fresh_module(name: str) -> types.ModuleType:
     """A new copy of SGLang's module ``name``, executed from its file, not in ``sys.modules``
     (and past any import hook, so nothing has patched it)."""

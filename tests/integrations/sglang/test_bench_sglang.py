@@ -26,7 +26,10 @@ def test_sglang_section_measures_the_real_controller() -> None:
     # the in-process runs instrumented the same workload: as many events as the sink host's
     assert out["in_process_events"] == out["events"] > 0
     # the floor runs: the same hooks, about as many events (constant contents), nothing read
-    assert out["floor_events"] == out["events"], (out["floor_events"], out["events"])  # see floor.py
+    if out["io_backend"] == "kernel":
+        assert out["floor_events"] == out["events"], (out["floor_events"], out["events"])  # see floor.py
+    else:  # the floor reports one op-level move a submission, the adapter one per pool moved
+        assert 0 < out["floor_events"] <= out["events"], (out["floor_events"], out["events"])
     assert out["floor_ratio"] > 0
     assert "; the hooks alone (constant events, nothing read) " in _sglang_line(out)
     # each instrumented run ended in a flush the sink host answered, after handling events

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang_env import release_tuple
+from sglang_env import release_tuple, skip_draft_with_the_kernel_backend_on_0_5_17
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.core.torch_compat import plain_tensor_calls
@@ -89,6 +89,7 @@ def _omitted(events: list[Any]) -> list[tuple[str, str, str]]:
 def test_the_hybrid_controller_leaves_the_draft_out_or_carries_it(io_backend: str, before_attach: bool) -> None:
     if release_tuple() < (0, 5, 11):
         pytest.skip("0.5.10's hybrid controller has its own finding first (#22940)")
+    skip_draft_with_the_kernel_backend_on_0_5_17(io_backend)
     h = _harness(ModelSpec.tiny_hybrid(), io_backend)
     events, restored = _round_trip(h, before_attach=before_attach)
     subs = [e for e in events if isinstance(e, TransferSubmitted)]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from otlp_receiver import OtlpReceiver, span_attributes
 from prometheus_client.parser import text_string_to_metric_families
-from sglang_env import release_tuple
+from sglang_env import hybrid_backend, release_tuple
 
 from hicache_obs.events.replay import replay
 
@@ -85,7 +85,7 @@ def test_launcher_instruments_spawned_processes(tmp_path: Path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(CHILD)
     base = _free_base()
-    backend = "kernel" if release_tuple() >= (0, 5, 11) else "direct"
+    backend = hybrid_backend()[0] if release_tuple() >= (0, 5, 11) else "direct"
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicache_obs", "instrument", "--metrics-port", str(base), "--out", str(out),
          "--", sys.executable, str(script), str(work), backend],
@@ -162,7 +162,7 @@ def test_launcher_sends_spans_to_otlp(tmp_path: Path) -> None:
     t.start()
     script = tmp_path / "one_rank.py"
     script.write_text(ONE_RANK)
-    backend = "kernel" if release_tuple() >= (0, 5, 11) else "direct"
+    backend = hybrid_backend()[0] if release_tuple() >= (0, 5, 11) else "direct"
     try:
         r = subprocess.run(
             [sys.executable, "-m", "hicache_obs", "instrument", "--out", str(tmp_path / "logs"),

@@ -1,12 +1,13 @@
 """A draft model's KV pool (speculative decoding) through SGLang's own trees with HiCache, driven
 as the scheduler drives them (SGLang PR #27953).
 
-The scheduler registers the draft after the tree built its controller. On 0.5.11 to 0.5.13 it
-does so with ``controller.set_draft_kv_pool`` (0.5.13 ``mem_cache/kv_cache_builder.py``
+The scheduler registers the draft after the tree built its controller. From 0.5.11 until the
+sidecar pools it does so with ``controller.set_draft_kv_pool`` (0.5.13 ``mem_cache/kv_cache_builder.py``
 ``maybe_register_hicache_draft``; 0.5.11, 0.5.12 ``Scheduler._maybe_register_hicache_draft``),
 and their ``HybridCacheController`` overrides ``start_writing``/``start_loading`` without the
 base controller's draft copies: the draft KV is never backed up and is stale after a load back,
-one ``pool_omitted`` finding for pool ``draft`` per op. ``UnifiedRadixCache.init_hicache``
+one ``pool_omitted`` finding for pool ``draft`` per op; 0.5.14's copies carry the draft, clean
+(the fix). ``UnifiedRadixCache.init_hicache``
 builds a ``HybridCacheController`` for a KV-only tree too, so the KV-only ``UnifiedRadixCache``
 (``SGLANG_ENABLE_UNIFIED_RADIX_TREE``) has the same findings; the base controller, which copies
 the draft, is ``HiRadixCache``'s (``test_draft_pools.py`` runs it on the controller). 0.5.2x
@@ -18,12 +19,10 @@ from __future__ import annotations
 
 import importlib
 from collections import Counter
-from importlib.metadata import distribution
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_env import RELEASE, release_tuple
+from sglang_env import RELEASE, needs_mamba_layout, release_tuple, skip_draft_with_the_kernel_backend_on_0_5_17
 
 # test_tree_hybrid.py's workload: three conversations on a 128-token device pool; B2, C2 and A3
 # load their prefixes back; A2 repeats last, a device hit on what A3 loaded back
@@ -57,7 +56,7 @@ def _sidecar_release() -> bool:
 
 
 def _set_draft_release() -> bool:
-    """Whether SGLang registers a draft with the controller's ``set_draft_kv_pool`` (0.5.11-0.5.13)."""
+    """Whether SGLang registers a draft with the controller's ``set_draft_kv_pool`` (0.5.11 until the sidecars)."""
     if RELEASE is None or _sidecar_release():
         return False
     from hicache_obs.integrations.sglang.testing import prepare
@@ -67,10 +66,12 @@ def _set_draft_release() -> bool:
     return callable(getattr(cc.HiCacheController, "set_draft_kv_pool", None))
 
 
+#: SGLang #27953's fix: 0.5.14's HybridCacheController copies a set_draft_kv_pool draft too
+DRAFT_FIXED = release_tuple() >= (0, 5, 14)
 SIDECAR = _sidecar_release()
 SET_DRAFT = _set_draft_release()
 needs_set_draft = pytest.mark.skipif(
-    not SET_DRAFT, reason="this release's scheduler registers no draft with set_draft_kv_pool (0.5.11-0.5.13)"
+    not SET_DRAFT, reason="this release's scheduler registers no draft with set_draft_kv_pool (0.5.11-0.5.2x)"
 )
 needs_sidecar = pytest.mark.skipif(not SIDECAR, reason="this release builds no draft sidecar (0.5.2x)")
 
@@ -82,19 +83,8 @@ def _available(tree: str) -> None:
         pytest.skip(f"SGLang {RELEASE} has no {tree} hybrid tree with HiCache")
 
 
-def _mamba_host_takes_page_layouts_only() -> bool:
-    """0.5.2x's ``mem_cache/pool_host/mamba.py``: its ``MambaPoolHost`` asserts a page layout."""
-    if RELEASE is None:
-        return False
-    return Path(str(distribution("sglang").locate_file("sglang/srt/mem_cache/pool_host/mamba.py"))).exists()
-
-
-PAGE_LAYOUTS_ONLY = _mamba_host_takes_page_layouts_only()
-
-
 def _layout(layout: str) -> None:
-    if PAGE_LAYOUTS_ONLY and layout == "layer_first":
-        pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost takes page_first/page_first_direct only (asserts it)")
+    needs_mamba_layout(layout)
 
 
 def _unified() -> None:
@@ -156,6 +146,16 @@ class _Run:
         assert sorted(f.op for f in found) == sorted(ops)  # once per op
         assert all(ops[f.op] == f.direction for f in found)
 
+    def check_draft(self, *, mamba: bool) -> None:
+        """A draft registered with ``set_draft_kv_pool``: left out of every copy up to 0.5.13
+        (SGLang #27953), carried from 0.5.14."""
+        if DRAFT_FIXED:
+            self.check_served(draft_intact=True, mamba=mamba)
+            self.check_clean()
+        else:
+            self.check_served(draft_intact=False, mamba=mamba)
+            self.check_omitted()
+
     def check_clean(self) -> None:
         ops = self.kv_ops()
         assert Counter(ops.values()) == OPS
@@ -168,6 +168,7 @@ class _Run:
 def _hybrid(io_backend: str, layout: str, tree: str) -> Any:
     from hicache_obs.integrations.sglang.tree import build_hybrid_tree
 
+    skip_draft_with_the_kernel_backend_on_0_5_17(io_backend)
     _available(tree)
     _layout(layout)
     return build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout, tree=tree)
@@ -185,12 +186,11 @@ def _kv_only(io_backend: str, layout: str) -> Any:
 @needs_set_draft
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
-def test_the_hybrid_tree_leaves_the_draft_out(tree: str, io_backend: str, layout: str) -> None:
+def test_the_hybrid_tree_leaves_the_draft_out_until_0_5_14(tree: str, io_backend: str, layout: str) -> None:
     r = _Run(_hybrid(io_backend, layout, tree))
     assert type(r.t.controller).__name__ == "HybridCacheController"
     assert r.t.controller.has_draft
-    r.check_served(draft_intact=False, mamba=True)
-    r.check_omitted()
+    r.check_draft(mamba=True)
 
 
 @needs_sidecar
@@ -207,11 +207,10 @@ def test_the_unified_tree_carries_the_draft_sidecar(io_backend: str, layout: str
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
 def test_the_kv_only_unified_tree_leaves_the_draft_out_too(io_backend: str, layout: str) -> None:
     """``init_hicache`` builds a ``HybridCacheController`` for a KV-only ``UnifiedRadixCache``
-    as well (0.5.12, 0.5.13): the same omission as the hybrid trees'."""
+    as well (0.5.12 on): the same omission as the hybrid trees' (0.5.12, 0.5.13), the same fix."""
     r = _Run(_kv_only(io_backend, layout))
     assert type(r.t.controller).__name__ == "HybridCacheController"
-    r.check_served(draft_intact=False, mamba=False)
-    r.check_omitted()
+    r.check_draft(mamba=False)
 
 
 @needs_sidecar
@@ -228,11 +227,11 @@ def test_a_draft_registered_before_the_controller_is_instrumented_is_followed_to
 
     tree = hybrid_trees()[0]
     r = _Run(_hybrid("direct", "page_first_direct", tree), draft_first=True)
-    r.check_served(draft_intact=SIDECAR, mamba=True)
     if SIDECAR:
+        r.check_served(draft_intact=True, mamba=True)
         r.check_clean()
     else:
-        r.check_omitted()
+        r.check_draft(mamba=True)
 
 
 def test_a_tree_without_a_draft_checks_none() -> None:

@@ -14,12 +14,10 @@ leaves the tree's ``insert``. 0.5.11 and later run the same workload clean: ``Hi
 from __future__ import annotations
 
 from collections import Counter
-from importlib.metadata import distribution
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_env import RELEASE, release_tuple
+from sglang_env import RELEASE, mamba_layouts, needs_mamba_layout, release_tuple
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
@@ -58,16 +56,6 @@ DEVICE_HITS = [0, 0, 0, len(A1), 0, 0, 0, len(A2)]
 LOADED = [0, 0, 0, 0, len(B1), len(C1), len(A2), 0]
 
 
-def _mamba_host_takes_page_layouts_only() -> bool:
-    """0.5.2x's ``mem_cache/pool_host/mamba.py``: its ``MambaPoolHost`` asserts a page layout."""
-    if RELEASE is None:
-        return False
-    return Path(str(distribution("sglang").locate_file("sglang/srt/mem_cache/pool_host/mamba.py"))).exists()
-
-
-PAGE_LAYOUTS_ONLY = _mamba_host_takes_page_layouts_only()
-
-
 def _available(tree: str) -> None:
     from hicache_obs.integrations.sglang.tree import hybrid_trees
 
@@ -80,8 +68,7 @@ def _available(tree: str) -> None:
 
 
 def _layout(layout: str) -> None:
-    if PAGE_LAYOUTS_ONLY and layout == "layer_first":
-        pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost takes page_first/page_first_direct only (asserts it)")
+    needs_mamba_layout(layout)
 
 
 class _Run:
@@ -184,12 +171,15 @@ def test_a_mamba_state_lost_on_the_host_is_seen() -> None:
     assert s.data_ok and not s.mamba_ok
 
 
-@pytest.mark.skipif(not PAGE_LAYOUTS_ONLY, reason="this release's MambaPoolHost takes layer_first")
-def test_layer_first_is_refused_by_the_mamba_host_pool() -> None:
+@pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
+def test_a_layout_the_mamba_host_pool_refuses_is_sglangs_own_error(layout: str) -> None:
     from hicache_obs.integrations.sglang.tree import build_hybrid_tree
 
-    with pytest.raises(AssertionError, match="Unsupported layout: layer_first"):
-        build_hybrid_tree(io_backend="direct", layout="layer_first")
+    if layout in mamba_layouts():
+        pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost takes {layout}")
+    io_backend = "direct" if layout == "page_first_direct" else "kernel"
+    with pytest.raises((ValueError, AssertionError), match=layout):
+        build_hybrid_tree(io_backend=io_backend, layout=layout)
 
 
 def test_the_scheduler_tree_is_built_by_default() -> None:
