@@ -59,12 +59,16 @@ __all__ = [
     "HYBRID_TREES",
     "HybridServed",
     "HybridTreeHarness",
+    "SWAServed",
+    "SWATreeHarness",
     "Served",
     "TreeHarness",
     "build_hybrid_tree",
+    "build_swa_tree",
     "build_tree",
     "has_unified_hicache",
     "hybrid_trees",
+    "swa_tree_missing",
 ]
 
 _URC = "sglang.srt.mem_cache.unified_radix_cache"
@@ -901,3 +905,384 @@ def _mamba_host(tree: Any, controller: Any) -> Any:
     if pool is None:
         raise IntegrationError(f"SGLang {sglang_version()}: no Mamba host pool found on the tree or its controller")
     return pool
+
+
+# ------------------------------------------------------------ SWA (KV + sliding-window KV)
+_SWA_POOL = "sglang.srt.mem_cache.swa_memory_pool"
+# SWATokenToKVPoolAllocator moved from swa_memory_pool.py (0.5.12) to allocator/swa.py (0.5.13)
+_SWA_ALLOCATOR = ("sglang.srt.mem_cache.allocator.swa", _SWA_POOL)
+
+
+def swa_tree_missing() -> str | None:
+    """What the installed SGLang lacks to build an SWA tree with HiCache (``UnifiedRadixCache``
+    with ``init_hicache``, an SWA component, SGLang's SWA pool and allocator, and the
+    assembler's ``attach_hybrid_pool_to_unified_cache`` that builds its host pools); None
+    where it has all of them."""
+    prepare("cpu")
+    if not has_unified_hicache():
+        return f"no {_URC}.UnifiedRadixCache with init_hicache"
+    components = next((m for m in map(_module, _COMPONENT_TYPES) if hasattr(m, "ComponentType")), None)
+    if not hasattr(getattr(components, "ComponentType", None), "SWA"):
+        return f"no ComponentType.SWA in {' or '.join(_COMPONENT_TYPES)}"
+    if not callable(getattr(_module(_ASSEMBLER), "attach_hybrid_pool_to_unified_cache", None)):
+        return f"no {_ASSEMBLER}.attach_hybrid_pool_to_unified_cache"
+    if not isinstance(getattr(_module(_SWA_POOL), "SWAKVPool", None), type):
+        return f"no {_SWA_POOL}.SWAKVPool"
+    if _swa_allocator_cls() is None:
+        return f"no SWATokenToKVPoolAllocator in {' or '.join(_SWA_ALLOCATOR)}"
+    return None
+
+
+def _swa_allocator_cls() -> Any:
+    for name in _SWA_ALLOCATOR:
+        cls = getattr(_module(name), "SWATokenToKVPoolAllocator", None)
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+@dataclass
+class SWAServed(Served):
+    """An SWA request: also whether the sliding-window rows it read (the last window of its
+    prefix, the only ones an SWA layer reads) held its prefix's values."""
+
+    swa_ok: bool = True
+    swa_host_hit: int = 0  # the match's SWA host hit (0.5.13 and later report one)
+
+
+@dataclass
+class SWATreeHarness(TreeHarness):
+    """SGLang's ``UnifiedRadixCache`` with full and SWA components and HiCache, its pools, and
+    the scheduler's calls. The device KV pool is SGLang's ``SWAKVPool``: the full layers'
+    pool (:attr:`SGLangHarness.kv_pool`, checked like a KV-only tree's) and the SWA layers'
+    pool (:attr:`swa_pool`), whose slots the allocator maps from the full ones
+    (``full_to_swa_index_mapping``)."""
+
+    swa_pool: Any = None
+    window: int = 0
+
+    def serve(self, tokens: Sequence[int]) -> SWAServed:
+        """One scheduler step for one request of ``tokens`` (page-aligned), prefilled and
+        finished at once: poll events, match, load back a host hit (full KV and the window's
+        SWA KV) and read it layer by layer as the forward pass does, allocate full and SWA
+        slots (evicting through the tree), write its KV, insert it and release its lock."""
+        api, tree = self.api, self.tree
+        page = self.harness.spec.page_size
+        if not tokens or len(tokens) % page:
+            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
+        self.step()
+        key = api.RadixKey(array("q", tokens) if api.array_keys else list(tokens))
+        match = tree.match_prefix(api.MatchPrefixParams(key=key))
+        last_node = match.last_device_node
+        prefix = self._device_prefix(match)
+        device_hit, loaded = len(prefix), 0
+        swa_hit = int(getattr(match, "swa_host_hit_length", 0))
+        req = SimpleNamespace(  # what an SWA load back reads and writes of a Req
+            rid=f"req-{len(self.served)}",
+            last_node=last_node,
+            swa_host_hit_length=swa_hit,
+            mamba_host_hit_length=0,
+            kv=_req_kv(),
+            mamba_pool_idx=None,
+        )
+        if match.host_hit_length > 0 or swa_hit > 0:
+            with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
+                got, last_node = tree.init_load_back(
+                    api.InitLoadBackParams(
+                        **{
+                            k: v
+                            for k, v in dict(
+                                best_match_node=match.best_match_node,
+                                last_host_node=getattr(match, "last_host_node", None),
+                                host_hit_length=match.host_hit_length,
+                                req=req,
+                            ).items()
+                            if k in api.load_back_fields
+                        }
+                    )
+                )
+            if isinstance(got, torch.Tensor):
+                loaded, prefix = len(got), torch.cat([prefix, got])
+            else:  # a count, and the tree gives the path's device indices
+                loaded, prefix = int(got), tree.path_device_indices(last_node)
+        self._forward_layers(tree.ready_to_load_host_cache())
+        lock = tree.inc_lock_ref(last_node)
+        n_new = len(tokens) - len(prefix)
+        new = self._alloc(n_new) if n_new else prefix[:0]
+        data_ok = self._check(tokens, prefix)
+        swa_ok = self._check_swa(tokens, prefix)
+        self._fill(tokens, len(prefix), new)
+        self._fill_swa(tokens, len(prefix), new)
+        indices = torch.cat([prefix, new])
+        # cache_finished_req: insert what the request holds (its SWA rows from the window the
+        # load back left it: the evicted seqlen), then release its lock
+        insert = api.InsertParams(key=key, value=indices.to(torch.int64), prev_prefix_len=len(prefix))
+        evicted = self._swa_evicted(req)
+        if hasattr(insert, "set_evicted_seqlen"):
+            insert.set_evicted_seqlen(self._swa_type(), evicted)
+        elif hasattr(insert, "swa_evicted_seqlen"):
+            insert.swa_evicted_seqlen = evicted
+        tree.insert(insert)
+        tree.dec_lock_ref(last_node, self._dec_params(lock))
+        s = SWAServed(
+            tuple(tokens), indices, device_hit, loaded, n_new, data_ok, None, swa_ok=swa_ok, swa_host_hit=swa_hit
+        )
+        self.served.append(s)
+        return s
+
+    # ------------------------------------------------------------------ helpers
+    def _swa_type(self) -> Any:
+        return self.api.ComponentType.SWA
+
+    def _swa_evicted(self, req: Any) -> int:
+        get = getattr(req.kv, "get_evicted_seqlen", None)
+        return int(get(self._swa_type())) if callable(get) else 0
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """``n`` (page-aligned) full slots with SWA peers, evicting through the tree first as
+        the scheduler does (``evict_from_tree_cache``). At page size 1 the allocator's own
+        ``alloc``; above it (whose ``alloc`` asserts page size 1 and whose ``alloc_extend``
+        runs a GPU kernel) the pages of both sub-allocators, mapped as ``alloc_extend`` maps
+        them (SGLang's own unit fixture allocates the same way)."""
+        evict = getattr(_module(_COMMON), "evict_from_tree_cache", None)
+        if not callable(evict):
+            raise IntegrationError(f"SGLang {sglang_version()}: no {_COMMON}.evict_from_tree_cache")
+        evict(self.tree, n)
+        allocator = self.allocator
+        if self.harness.spec.page_size == 1:
+            out = allocator.alloc(n)
+        else:
+            if n > allocator.full_attn_allocator.available_size() or n > allocator.swa_attn_allocator.available_size():
+                out = None
+            else:
+                full = allocator.full_attn_allocator.alloc(n)
+                swa = allocator.swa_attn_allocator.alloc(n)
+                set_mapping = getattr(allocator, "set_full_to_swa_mapping", None)
+                if callable(set_mapping):
+                    set_mapping(full, swa)
+                else:
+                    allocator.full_to_swa_index_mapping[full] = swa.to(torch.int64)
+                out = full
+        if out is None:
+            raise ConfigError(
+                f"the SWA device pools have no {n} free slots (full {allocator.full_available_size()}, "
+                f"SWA {allocator.swa_available_size()}), the tree evicting none"
+            )
+        return out  # type: ignore[no-any-return]
+
+    def _forward_layers(self, producer: int) -> None:
+        """Read each layer's KV through the SWA device pool as the model does, each read
+        waiting on the load back's layer counter."""
+        if producer is None or producer < 0:
+            return
+        self.controller.layer_done_counter.set_consumer(producer)
+        kv = self.allocator.get_kvcache()
+        for layer in range(self.harness.spec.num_layers):
+            kv.get_key_buffer(layer)
+
+    def _swa_layers(self) -> list[torch.Tensor]:
+        return [*self.swa_pool.k_buffer, *self.swa_pool.v_buffer]
+
+    def _swa_row_shape(self) -> tuple[int, ...]:
+        layers = self._swa_layers()
+        return (len(layers), *layers[0].shape[1:])
+
+    def _swa_slots(self, indices: torch.Tensor) -> torch.Tensor:
+        with _PLAIN():
+            idx = indices.detach().clone().as_subclass(torch.Tensor).to(torch.int64)
+            mapping = self.allocator.full_to_swa_index_mapping.detach().as_subclass(torch.Tensor)
+            return mapping[idx].clone()
+
+    def _fill_swa(self, tokens: Sequence[int], start: int, indices: torch.Tensor) -> None:
+        if not len(indices):
+            return
+        rows = _prefix_rows(tokens, start, self._swa_row_shape(), _SWA_SALT)
+        slots = self._swa_slots(indices)
+        with _PLAIN():
+            for i, buf in enumerate(self._swa_layers()):
+                buf[slots] = rows[i].to(buf.dtype)
+
+    def _check_swa(self, tokens: Sequence[int], indices: torch.Tensor) -> bool:
+        """Whether the SWA rows of the prefix's last window (the rows an SWA layer reads; those
+        before it may be gone) hold the values of ``tokens``' rows there."""
+        n = len(indices)
+        if not n:
+            return True
+        start = max(0, n - self.window)
+        slots = self._swa_slots(indices[start:])
+        if bool((slots <= 0).any()):  # no SWA peer mapped (slot 0 is SGLang's padding slot)
+            return False
+        layers = self._swa_layers()
+        want = _prefix_rows(tokens[:n], start, self._swa_row_shape(), _SWA_SALT).to(layers[0].dtype).float()
+        with _PLAIN():
+            got = torch.stack([buf[slots].float() for buf in layers])
+        return bool(torch.equal(got, want))
+
+
+_SWA_SALT = b"swa"
+
+
+def _req_kv() -> Any:
+    """A request's ``kv`` record: SGLang's ``ReqKvInfo`` where the release has one (0.5.2x: the
+    SWA load back records the window's start on it), else what a KV-only load back reads."""
+    info = getattr(_module("sglang.srt.managers.schedule_batch"), "ReqKvInfo", None)
+    return info() if isinstance(info, type) else SimpleNamespace(mamba_pool_idx=None)
+
+
+def _get_and_clear_swa_pages(
+    full_page_representatives: torch.Tensor,
+    mapping: torch.Tensor,
+    page_size: int,
+    check_page_mappings: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Torch ops for SGLang's Triton ``get_and_clear_swa_pages``
+    (``sglang/kernels/ops/memory/allocator.py``, 0.5.2x), which the SWA allocator calls on
+    CUDA index tensors to free SWA pages: each full page's SWA page and whether it had one
+    (and, checked, whether the page's slots all map into it), its mapping cleared."""
+    reps = full_page_representatives.to(torch.int64)
+    swa_reps = mapping[reps]
+    starts = reps // page_size * page_size
+    offsets = (starts[:, None] + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
+    valid = None
+    if check_page_mappings:
+        page_mapping = mapping[offsets].reshape(-1, page_size)
+        same_page = page_mapping // page_size == swa_reps[:, None] // page_size
+        valid = (swa_reps > 0) & (((page_mapping > 0) & ~same_page).sum(dim=1) == 0)
+    swa_pages, peers_mapped = swa_reps // page_size, swa_reps > 0
+    mapping[offsets] = 0
+    return swa_pages, peers_mapped, valid
+
+
+def _swa_kernel_stand_ins() -> None:
+    """The SWA allocator's Triton kernel, where the release's allocator calls one, replaced
+    by :func:`_get_and_clear_swa_pages` (Triton has no CPU driver)."""
+    for name in _SWA_ALLOCATOR:
+        mod = _module(name)
+        if mod is not None and callable(getattr(mod, "get_and_clear_swa_pages", None)):
+            mod.get_and_clear_swa_pages = _get_and_clear_swa_pages
+
+
+def _named(fn: Any, **candidates: Any) -> dict[str, Any]:
+    """The candidates ``fn`` names (not those its ``**kwargs`` would pass on: ``SWAKVPool``
+    hands those to its inner pools, which take fewer on 0.5.2x)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in candidates.items() if k in params and params[k].kind is not params[k].VAR_KEYWORD}
+
+
+def _swa_device(spec: ModelSpec, device_size: int, swa_size: int) -> tuple[Any, Any]:
+    """SGLang's ``SWAKVPool`` (full and SWA layers' pools) and its ``SWATokenToKVPoolAllocator``,
+    as the model runner builds them for a sliding-window model."""
+    pool_cls = _module(_SWA_POOL).SWAKVPool
+    kv_pool = pool_cls(
+        **_named(
+            pool_cls.__init__,
+            size=device_size,
+            size_swa=swa_size,
+            page_size=spec.page_size,
+            dtype=spec.dtype,
+            head_num=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            swa_attention_layer_ids=list(spec.swa_layer_ids),
+            full_attention_layer_ids=[i for i in range(spec.num_layers) if i not in spec.swa_layer_ids],
+            enable_kvcache_transpose=False,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+    )
+    alloc_cls = _swa_allocator_cls()
+    allocator = alloc_cls(
+        **_kw(
+            alloc_cls.__init__,
+            size=device_size,
+            size_swa=swa_size,
+            page_size=spec.page_size,
+            dtype=spec.dtype,
+            device="cpu",
+            kvcache=kv_pool,
+            need_sort=False,
+        )
+    )
+    return kv_pool, allocator
+
+
+def _swa_host(tree: Any, controller: Any) -> Any:
+    """The SWA host pool SGLang built: the tree's, else the SWA entry of the host pool group."""
+    pool = getattr(tree, "swa_kv_pool_host", None)
+    if pool is None:
+        get_pool = getattr(controller.mem_pool_host, "get_pool", None)
+        names = importlib.import_module("sglang.srt.mem_cache.hicache_storage").PoolName
+        pool = get_pool(names.SWA) if get_pool else None
+    if pool is None:
+        raise IntegrationError(f"SGLang {sglang_version()}: no SWA host pool found on the tree or its controller")
+    return pool
+
+
+def build_swa_tree(
+    spec: ModelSpec | None = None,
+    *,
+    io_backend: str = "direct",
+    layout: str = "page_first_direct",
+    write_policy: str = "write_through",
+    device_size: int = 128,
+    swa_size: int | None = None,
+    host_ratio: float = 2.0,
+    load_back_threshold: int | None = 0,
+) -> SWATreeHarness:
+    """SGLang's ``UnifiedRadixCache`` with full and SWA components and HiCache for ``spec``
+    (default ``tiny_swa``) on the CPU harness, built through SGLang's own path (``SWAKVPool``,
+    ``SWATokenToKVPoolAllocator``, ``init_hicache``, whose assembler builds the KV and SWA
+    host pools and the ``HybridCacheController``). ``swa_size``: the SWA device pool (default
+    ``device_size``). ``load_back_threshold`` as in :func:`build_tree`.
+
+    Raises :class:`~hicache_obs.errors.IntegrationError` where the release lacks a part
+    (:func:`swa_tree_missing` says which) or a call the driver makes.
+    """
+    spec = spec or ModelSpec.tiny_swa()
+    if io_backend not in ("kernel", "direct"):
+        raise ConfigError(f"io_backend must be 'kernel' or 'direct', got {io_backend!r}")
+    if not spec.swa_layer_ids or spec.mamba_layer_ids or not spec.swa_window:
+        raise ConfigError(f"model {spec.name!r}: the SWA tree harness builds KV + sliding-window KV models")
+    swa_size = device_size if swa_size is None else swa_size
+    for name, size in (("device_size", device_size), ("swa_size", swa_size)):
+        if size <= 0 or size % spec.page_size:
+            raise ConfigError(f"{name} must be a positive multiple of page size {spec.page_size}, got {size}")
+    missing = swa_tree_missing()
+    if missing is not None:
+        raise IntegrationError(f"SGLang {sglang_version()} has {missing}: cannot build an SWA tree")
+    api = _api()
+    _swa_kernel_stand_ins()
+    kv_pool, allocator = _swa_device(spec, device_size, swa_size)
+    for obj in (kv_pool, kv_pool.full_kv_pool, kv_pool.swa_kv_pool):
+        obj.device = "cuda"
+    _to_cuda_indices(allocator.full_attn_allocator, allocator.swa_attn_allocator)
+    allocator.device = "cuda"
+    params = _cache_params(
+        api,
+        allocator,
+        spec.page_size,
+        components=(api.ComponentType.FULL, api.ComponentType.SWA),
+        sliding_window_size=spec.swa_window,
+    )
+    if getattr(params, "sliding_window_size", None) != spec.swa_window:
+        raise IntegrationError(f"SGLang {sglang_version()}: CacheInitParams takes no sliding_window_size")
+    args = _server_args(spec, io_backend, layout, write_policy, host_ratio)
+    with _host_registration_stand_in():
+        tree = api.UnifiedRadixCache(params)
+        tree.init_hicache(args, params)
+    controller = _controller_of(tree, "init_hicache", load_back_threshold)
+    kv_host = _kv_host(tree, controller)
+    swa_host = _swa_host(tree, controller)
+    h = SGLangHarness(
+        spec,
+        controller,
+        kv_pool.full_kv_pool,
+        allocator,
+        kv_host,
+        io_backend=io_backend,
+        layout=kv_host.layout,
+        release=sglang_version() or "",
+    )
+    h.extras.update(swa_pool=kv_pool.swa_kv_pool, swa_host=swa_host)
+    _register_buffers(h)
+    _register_pool_buffers(kv_pool.swa_kv_pool, swa_host)
+    return SWATreeHarness(tree, h, api, swa_pool=kv_pool.swa_kv_pool, window=spec.swa_window)
