@@ -204,7 +204,7 @@ class TreeHarness:
                 loaded, prefix = len(got), torch.cat([prefix, got])
             else:  # a count, and the tree gives the path's device indices
                 loaded, prefix = int(got), tree.path_device_indices(last_node)
-        tree.ready_to_load_host_cache()
+        self._forward_layers(tree.ready_to_load_host_cache())
         lock = tree.inc_lock_ref(last_node)
         n_new = len(tokens) - len(prefix)
         new = api.alloc_token_slots(tree, n_new) if n_new else prefix[:0]
@@ -220,6 +220,16 @@ class TreeHarness:
         return s
 
     # ------------------------------------------------------------------ helpers
+    def _forward_layers(self, producer: Any) -> None:
+        """Read each layer's KV through the device pool as the model does, each read waiting
+        on the load back's layer counter (a load still running has not written it yet)."""
+        if producer is None or producer < 0:
+            return
+        self.controller.layer_done_counter.set_consumer(producer)
+        kv = self.allocator.get_kvcache()
+        for layer in range(self.harness.spec.num_layers):
+            kv.get_key_buffer(layer)
+
     def _device_prefix(self, match: Any) -> torch.Tensor:
         """The matched prefix's device indices: the match's own, or (trees whose match carries
         only a length) the path's."""

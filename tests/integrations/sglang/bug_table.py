@@ -255,9 +255,24 @@ def render() -> str:
             for c in load(release):
                 if c.row == r.number:
                     lines.append(f"| {release} | {c.io_backend} | {c.layout} | {_findings(c.findings)} | {c.outcome} |")
-    lines += ["", *NOT_ON_PYPI]
+    lines += ["", *CORRUPTION, "", *NOT_ON_PYPI]
     return "\n".join(lines) + "\n"
 
+
+#: Row 2's corruption itself, on the CPU (tests/integrations/sglang/test_cuda_semantics.py).
+CORRUPTION = [
+    "## Row 2's corruption, on the CPU",
+    "",
+    "On the CPU harness a copy runs when SGLang calls it, so 0.5.12 backs up the right rows and",
+    "only the log shows the use after free. With `deferred.cuda_semantics()` the harness runs a",
+    "side-stream copy when its stream is waited for, as late as a GPU may: 0.5.12's write-back",
+    "of a demoted node then copies the rows of the request that took the freed slots, with both",
+    "io backends and every layout, before SGLang's own assertion ends the run. 0.5.13 serves the",
+    "same workload under the same rules with every row intact, loads back included. Rows 1 and 3",
+    "need no such run: row 1's direct copies read their indices at once and its kernel copies",
+    "refuse to start (no copy reads a reused index), and row 3 never copies the draft at all,",
+    "so its rows are stale on every schedule (the table's outcome).",
+]
 
 #: The bugs of the same class that SGLang fixed before any release shipped them: no release to
 #: measure, so the tests put the fault in by hand (tests/integrations/sglang/test_misplaced_indices.py).

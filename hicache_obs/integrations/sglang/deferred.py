@@ -1,0 +1,196 @@
+"""CUDA's stream semantics for the CPU harness's copies: side-stream work runs when its stream runs.
+
+On a GPU a copy SGLang queues on a side stream (``with device_module.stream(write_stream):``)
+runs later, in stream order, and reads the slots as they are then: a device slot freed and
+reused before the copy runs is read with its new contents. The CPU harness's copies run at
+the call, so that window is closed. :func:`cuda_semantics` opens it: while it is active, a
+copy op (the stand-ins of :mod:`.kernels`) called inside a ``torch.cpu.stream(...)`` block is
+queued on that stream instead of run, and runs when something waits for an event recorded on
+the stream after it (``Event.synchronize``, ``query``, ``wait``, a stream's ``wait_event``)
+or for the stream or the device (``wait_stream``, ``torch.cpu.synchronize``), in the order it
+was queued. That is the latest a GPU may run it:
+a program that is correct under CUDA's rules is correct under it, and one that reads or reuses
+memory a queued copy still uses sees the result. Copies outside a stream block, on the CPU's
+current stream, run at once, as on the default stream.
+
+Test support: it patches ``torch.cpu.Event``, ``torch.cpu.synchronize``, ``torch.cpu.Stream``'s
+waits and the copy ops SGLang's modules hold for the length of the block, process-wide; one
+block at a time. Build the controller inside the block: events made before it do not mark.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+
+__all__ = ["cuda_semantics", "pending"]
+
+_lock = threading.RLock()
+_queues: dict[int, _Queue] = {}  # id(stream) -> its queue, while active
+_active = False
+
+
+class _Queue:
+    """One stream's work: queued calls, how many were queued and how many ran."""
+
+    __slots__ = ("calls", "queued", "ran", "stream")
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.calls: list[Callable[[], Any]] = []
+        self.queued = 0
+        self.ran = 0
+
+    def run_until(self, mark: int) -> None:
+        while self.ran < mark and self.calls:
+            call = self.calls.pop(0)
+            self.ran += 1
+            call()
+
+
+def _current_block_stream() -> Any:
+    from .testing import _blocks
+
+    stack = getattr(_blocks, "streams", None)
+    return stack[-1] if stack else None
+
+
+def _queue(stream: Any) -> _Queue:
+    q = _queues.get(id(stream))
+    if q is None:
+        q = _queues[id(stream)] = _Queue(stream)
+    return q
+
+
+def _deferring(op: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        stream = _current_block_stream() if _active else None
+        if stream is None:
+            return op(*args, **kwargs)
+        with _lock:
+            q = _queue(stream)
+            q.calls.append(partial(op, *args, **kwargs))
+            q.queued += 1
+        return None
+
+    call.__wrapped__ = op  # type: ignore[attr-defined]
+    call.__name__ = getattr(op, "__name__", "op")
+    return call
+
+
+class _Event(torch.cpu.Event):
+    """``torch.cpu.Event`` whose ``record`` marks its stream's queue and whose waits run it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mark: tuple[_Queue, int] | None = None
+
+    def record(self, stream: Any = None) -> None:
+        stream = stream if stream is not None else _current_block_stream()
+        if _active and stream is not None:
+            with _lock:
+                q = _queue(stream)
+                self._mark = (q, q.queued)
+        else:
+            self._mark = None
+        super().record()
+
+    def _run(self) -> None:
+        mark = self._mark
+        if mark is not None:
+            with _lock:
+                mark[0].run_until(mark[1])
+
+    def query(self) -> bool:
+        self._run()
+        return bool(super().query())
+
+    def synchronize(self) -> None:
+        self._run()
+        super().synchronize()
+
+    def wait(self, stream: Any = None) -> None:
+        self._run()
+        super().wait(stream)
+
+
+def pending() -> int:
+    """Copies queued and not run yet, on every stream."""
+    with _lock:
+        return sum(len(q.calls) for q in _queues.values())
+
+
+def _run_all() -> None:
+    with _lock:
+        for q in list(_queues.values()):
+            q.run_until(q.queued)
+
+
+@contextmanager
+def cuda_semantics() -> Iterator[None]:
+    """Side-stream copies run when their stream is waited for (see the module). The harness
+    must be prepared for the CPU; on leaving, every queued copy runs."""
+    global _active
+    from . import kernels
+    from .testing import _POOL_MODULES, _state
+
+    if not _state.get("current_stream"):
+        raise ConfigError("cuda_semantics needs the CPU harness (prepare('cpu') without CUDA)")
+    with _lock:
+        if _active:
+            raise ConfigError("cuda_semantics is active already: one block at a time")
+        _active = True
+    undo: list[Callable[[], None]] = []
+
+    def put(holder: Any, name: str, value: Any) -> None:
+        old = getattr(holder, name)
+        setattr(holder, name, value)
+        undo.append(lambda: setattr(holder, name, old))
+
+    try:
+        wrapped = {name: _deferring(op) for name, op in kernels.OPS.items()}
+        modules = [sys.modules.get(n) for n in (*_POOL_MODULES, kernels.KVCACHEIO_MODULE, kernels.TRANSFER_MAMBA_MODULE)]
+        for module in modules:
+            if module is None:
+                continue
+            for name, op in kernels.OPS.items():
+                if getattr(module, name, None) is op:
+                    put(module, name, wrapped[name])
+        synchronize = torch.cpu.synchronize
+
+        def synchronize_all(device: Any = None) -> None:
+            _run_all()
+            synchronize(device)
+
+        def wait_event(self: Any, event: Any) -> None:  # the forward pass waits on a layer's load
+            if isinstance(event, _Event):
+                event._run()
+
+        def wait_stream(self: Any, stream: Any) -> None:
+            with _lock:
+                q = _queues.get(id(stream))
+                if q is not None:
+                    q.run_until(q.queued)
+
+        put(torch.cpu, "Event", _Event)
+        put(torch.cpu, "synchronize", synchronize_all)
+        put(torch.cpu.Stream, "wait_event", wait_event)
+        put(torch.cpu.Stream, "wait_stream", wait_stream)
+        yield
+    finally:
+        try:
+            _run_all()
+        finally:
+            for step in reversed(undo):
+                step()
+            with _lock:
+                _queues.clear()
+                _active = False

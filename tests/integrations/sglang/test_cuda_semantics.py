@@ -1,0 +1,149 @@
+"""SGLang #24585's corruption itself, on the CPU: the harness's copies with CUDA stream semantics.
+
+On the CPU harness a copy runs at the call, so 0.5.12's write-back demotion (the device slots
+freed while the D2H write still reads them) backs up the right rows: only the log shows the
+use after free. Under :func:`~hicache_obs.integrations.sglang.deferred.cuda_semantics` the
+write runs when its stream is waited for, as late as a GPU may run it: the next request has
+taken the freed slots and written its own KV by then, and the host copy of the demoted node
+holds that request's rows. 0.5.13 waits for the write before it frees, and serves the same
+workload with every row intact, loads back included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from sglang_env import release_tuple
+from test_tree import BACKENDS, EVICTING, WORKLOAD
+
+from hicache_obs.core import ModelSpec
+from hicache_obs.events import EventLog
+from hicache_obs.events.audit import audit
+from hicache_obs.events.schema import AuditViolation
+from hicache_obs.integrations.sglang import instrument
+
+pytestmark = pytest.mark.needs_sglang
+
+PAGE = ModelSpec.tiny().page_size
+
+
+@pytest.fixture
+def unified() -> None:
+    from hicache_obs.integrations.sglang.tree import has_unified_hicache
+
+    if not has_unified_hicache():
+        pytest.skip("this SGLang release has no UnifiedRadixCache with HiCache (init_hicache)")
+
+
+def _build(io_backend: str, layout: str) -> tuple[Any, EventLog, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The tree, its log, and for each write the tree asked for, in order, its host indices and
+    the device rows it was to back up, as the device held them when it was asked for."""
+    from hicache_obs.integrations.sglang.tree import build_tree
+
+    t = build_tree(ModelSpec.tiny(), io_backend=io_backend, layout=layout, device_size=128)
+    log = EventLog()
+    instrument(t.controller, log=log)
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    write = t.controller.write
+
+    def tracked(device_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = t.harness.read_kv(device_indices)  # (layers k then v, tokens, heads, dim)
+        out = write(device_indices, *args, **kwargs)
+        if out is not None:
+            writes.append((out.detach().clone().as_subclass(torch.Tensor), rows))
+        return out
+
+    t.controller.write = tracked
+    return t, log, writes
+
+
+def _host_rows(t: Any, host: torch.Tensor) -> torch.Tensor:
+    """The host copy at ``host``, as ``(layers k then v, tokens, heads, dim)``."""
+    from hicache_obs.integrations.sglang.engine import _kv_planes
+
+    _, planes = _kv_planes(t.harness)
+    got = planes.read_slots(host)
+    return torch.cat([got["k"], got["v"]]).float()
+
+
+def _rows(tokens: list[int], t: Any) -> list[torch.Tensor]:
+    """The rows the harness wrote for ``tokens``, one per token."""
+    from hicache_obs.integrations.sglang.tree import _prefix_rows
+
+    dtype = t.harness.kv_pool.k_buffer[0].dtype
+    return list(_prefix_rows(tokens, 0, t._row_shape()).to(dtype).float().unbind(1))
+
+
+def _backed_up(t: Any, writes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each write: whether its host copy holds the rows the device held when it was asked."""
+    return [torch.equal(_host_rows(t, host), rows) for host, rows in writes]
+
+
+@pytest.mark.skipif(release_tuple()[:3] != (0, 5, 12), reason="SGLang 0.5.12's write-back demotion (PR #24585)")
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_0_5_12_backs_up_the_next_requests_rows_under_cuda_semantics(
+    unified: None, io_backend: str, layout: str
+) -> None:
+    from hicache_obs.integrations.sglang.deferred import cuda_semantics, pending
+
+    with cuda_semantics():
+        t, log, writes = _build(io_backend, layout)
+        for tokens in WORKLOAD[: EVICTING + 1]:
+            assert t.serve(tokens).data_ok
+        assert writes and pending() > 0  # the demoted nodes' writes have not run yet
+        with pytest.raises(AssertionError):
+            t.serve(WORKLOAD[EVICTING + 1])  # writing_check waits for them, then SGLang asserts
+        assert pending() == 0
+        intact = _backed_up(t, writes)
+        assert not all(intact), intact
+        # what the host copies hold instead: rows of the evicting request, which took the slots
+        evicting = _rows(WORKLOAD[EVICTING], t)
+        for (host, _), ok in zip(writes, intact):
+            if not ok:
+                copy = _host_rows(t, host).unbind(1)
+                assert any(any(torch.equal(row, other) for other in evicting) for row in copy)
+    found = [(f.rule, f.pool, f.role) for f in audit([e for e in log.events() if not isinstance(e, AuditViolation)])]
+    assert ("slot_not_allocated", "kv", "device") in found  # and the log said so
+
+
+@pytest.mark.skipif(release_tuple()[:3] != (0, 5, 12), reason="SGLang 0.5.12's write-back demotion (PR #24585)")
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_0_5_12_backs_up_the_right_rows_when_copies_run_at_the_call(
+    unified: None, io_backend: str, layout: str
+) -> None:
+    t, _, writes = _build(io_backend, layout)
+    for tokens in WORKLOAD[: EVICTING + 1]:
+        t.serve(tokens)
+    with pytest.raises(AssertionError):
+        t.serve(WORKLOAD[EVICTING + 1])
+    assert writes and all(_backed_up(t, writes))  # the copies ran at the call: the CPU hides it
+
+
+@pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_fixed_release_serves_intact_under_cuda_semantics(unified: None, io_backend: str, layout: str) -> None:
+    from hicache_obs.integrations.sglang.deferred import cuda_semantics
+
+    with cuda_semantics():
+        t, log, writes = _build(io_backend, layout)
+        served = [t.serve(tokens) for tokens in WORKLOAD]
+        t.step()
+    assert writes and all(_backed_up(t, writes))
+    assert [s.loaded for s in served] == [0, 0, 0, 2 * PAGE, 0, 2 * PAGE]
+    assert all(s.data_ok for s in served), [s.data_ok for s in served]
+    log.flush()
+    assert audit([e for e in log.events() if not isinstance(e, AuditViolation)]) == []
+
+
+def test_cuda_semantics_refuses_a_second_block() -> None:
+    from hicache_obs.errors import ConfigError
+    from hicache_obs.integrations.sglang.deferred import cuda_semantics
+    from hicache_obs.integrations.sglang.testing import prepare
+
+    prepare("cpu")
+    with cuda_semantics():
+        with pytest.raises(ConfigError, match="one block at a time"):
+            with cuda_semantics():
+                pass
