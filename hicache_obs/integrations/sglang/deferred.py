@@ -103,22 +103,22 @@ class _Event(torch.cpu.Event):
             self._mark = None
         super().record()
 
-    def _run(self) -> None:
+    def run_queued(self) -> None:
         mark = self._mark
         if mark is not None:
             with _lock:
                 mark[0].run_until(mark[1])
 
     def query(self) -> bool:
-        self._run()
+        self.run_queued()
         return bool(super().query())
 
     def synchronize(self) -> None:
-        self._run()
+        self.run_queued()
         super().synchronize()
 
     def wait(self, stream: Any = None) -> None:
-        self._run()
+        self.run_queued()
         super().wait(stream)
 
 
@@ -172,7 +172,7 @@ def cuda_semantics() -> Iterator[None]:
 
         def wait_event(self: Any, event: Any) -> None:  # the forward pass waits on a layer's load
             if isinstance(event, _Event):
-                event._run()
+                event.run_queued()
 
         def wait_stream(self: Any, stream: Any) -> None:
             with _lock:

@@ -14,7 +14,13 @@ import pytest
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
 from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import IndicesMoved, OperationQueued, OperationsMerged, TransferCompleted, TransferSubmitted
+from hicache_obs.events.schema import (
+    IndicesMoved,
+    OperationQueued,
+    OperationsMerged,
+    TransferCompleted,
+    TransferSubmitted,
+)
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang
