@@ -1,12 +1,20 @@
 """Suite-wide pytest hooks and fixtures: tests marked ``cuda`` are skipped on machines
-without CUDA; ``fast_switching`` makes thread races show within a run."""
+without CUDA; ``fast_switching`` makes thread races show within a run.
+
+A run started in the background by a shell without job control inherits SIGINT ignored, and so
+would every command a test starts and then interrupts (``demo --serve`` stopped with SIGINT):
+the suite puts Ctrl-C's default back, which those commands then inherit."""
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
