@@ -1136,7 +1136,9 @@ def _req_kv() -> Any:
     """A request's ``kv`` record: SGLang's ``ReqKvInfo`` where the release has one (0.5.2x: the
     SWA load back records the window's start on it), else what a KV-only load back reads."""
     info = getattr(_module("sglang.srt.managers.schedule_batch"), "ReqKvInfo", None)
-    return info() if isinstance(info, type) else SimpleNamespace(mamba_pool_idx=None)
+    if not isinstance(info, type):
+        return SimpleNamespace(mamba_pool_idx=None)
+    return info(**_kw(info, kv_allocated_len=0, swa_evicted_seqlen=0))  # 0.5.1x: required fields
 
 
 def _get_and_clear_swa_pages(
