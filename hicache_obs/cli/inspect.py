@@ -5,7 +5,9 @@ it -> per pool: index moves and stream records (with the ones missing flagged) -
 the transfer -> its completion, with durations. ``--timeline``: one line per
 operation event, in log order, with the time since the log began. Filters:
 ``--op N`` (a merged op or one merged into it), ``--pool NAME``,
-``--violations-only``. Violations are recomputed from the log (the audit rules).
+``--violations-only``. Violations are recomputed from the log (the audit rules); those no op
+owns (a free handed indices of another device, a free of free slots) come last, "outside any
+op" (``outside_ops`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -279,11 +281,26 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if args.limit is not None:
         views = views[: args.limit]
+    loose = _outside_ops(auditor.findings, args)
     if args.json:
-        print(json.dumps({"files": res.files, "events": len(events), "ops": views}, indent=2))
+        print(json.dumps({"files": res.files, "events": len(events), "ops": views, "outside_ops": loose}, indent=2))
     else:
-        _print_tree(views, multi_rank=len(res.ranks) > 1)
+        _print_tree(views, multi_rank=len(res.ranks) > 1, loose=loose)
     return EXIT_OK
+
+
+def _outside_ops(findings: Iterable[Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The findings no op owns (a free handed indices of another device, a free of free slots),
+    under the same ``--rank`` and ``--pool`` filters; none when ``--op`` picks one op."""
+    if args.op is not None:
+        return []
+    return [
+        {"rank": f.rank, "rule": f.rule, "pool": f.pool, "role": f.role, "seq": f.seq, "detail": f.detail}
+        for f in findings
+        if f.op < 0
+        and (args.rank is None or f.rank == args.rank)
+        and (args.pool is None or f.pool in (args.pool, "*"))
+    ]
 
 
 def _short(detail: str) -> str:
@@ -308,13 +325,13 @@ def _print_timeline(lines: list[dict[str, Any]], *, multi_rank: bool) -> None:
             con.print(Padding(Text(escape_text(_short(ln["detail"]), markup=False), style="red"), (0, 0, 0, 24)))
 
 
-def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
+def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool, loose: list[dict[str, Any]] | None = None) -> None:
     from rich.tree import Tree
 
     e = escape_text  # every name, stream, error and detail below comes from the log
 
     con = console()
-    if not views:
+    if not views and not loose:
         con.print("no matching operations")
         return
     for v in views:
@@ -356,4 +373,10 @@ def _print_tree(views: list[dict[str, Any]], *, multi_rank: bool) -> None:
             tree.add(f"[yellow]{e(status)}[/], never completed")
         for f in v["violations"]:
             tree.add(f"[red]{e(f['rule'])}[/] {e(f['pool'])}/{e(f['role'])}: {e(_short(f['detail']))}")
+        con.print(tree)
+    if loose:  # findings no op owns: a free's
+        tree = Tree("[bold]outside any op[/] [red]violations[/]")
+        for f in loose:
+            rank = f"rank {f['rank']} " if multi_rank else ""
+            tree.add(f"{rank}[red]{e(f['rule'])}[/] {e(f['pool'])}/{e(f['role'])}: {e(_short(f['detail']))}")
         con.print(tree)

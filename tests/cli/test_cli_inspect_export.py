@@ -134,3 +134,53 @@ def test_export_to_stdout_and_usage_errors(cli: Any, clean_demo: tuple[dict[str,
     assert code == 2 and text == "" and err.startswith("hicache-obs: error:") and err.count("\n") == 1
     code, _, err = cli("export", out, "--chrome-trace", "-", "--otlp-json", "-")
     assert code == 2
+
+
+def _with_outside_findings(tmp_path: Path) -> Path:
+    """A clean demo-sized log plus two findings no op owns: a Mamba host free handed indices on
+    the GPU, and a free SGLang refused of slots already free."""
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.events.schema import FreeRefused, IndicesMisplaced, TensorRef
+    from hicache_obs.events.store import JsonlStore
+    from hicache_obs.testing import make_controller
+
+    c = make_controller(ModelSpec.tiny_hybrid(), device_size=512, io_backend="kernel")
+    kv = c.alloc_device(32)
+    c.write(kv, node_id=1)
+    while not c.poll_writes():
+        pass
+    c.log.emit(
+        IndicesMisplaced,
+        pool="mamba",
+        tier="host",
+        call="free",
+        expected="cpu",
+        tensor=TensorRef(pool="mamba", role="host", device="cuda:0", numel=2, dtype="int64", ptr=4096),
+    )
+    free = TensorRef(pool="kv", role="device", device="cpu", numel=2, dtype="int64", ptr=64, indices=((500, 2),))
+    c.log.emit(FreeRefused, pool="kv", tier="device", call="free", tensor=free, error="AssertionError: Double-free")
+    store = JsonlStore(tmp_path / "log", rank=0)
+    store.handle_batch(list(c.log.events()))
+    store.close()
+    return tmp_path / "log"
+
+
+def test_findings_no_op_owns_come_last_outside_any_op(cli: Any, tmp_path: Path) -> None:
+    log = _with_outside_findings(tmp_path)
+    code, text, _ = cli("inspect", str(log))
+    assert code == 0
+    tail = text[text.index("outside any op") :]
+    assert "misplaced_indices mamba/host: host pool 'mamba': free() was handed 2" in " ".join(tail.split())
+    assert "double_free kv/device" in tail
+    assert text.index("op 0 d2h") < text.index("outside any op")
+    code, text, _ = cli("inspect", str(log), "--json")
+    loose = json.loads(text)["outside_ops"]
+    assert [(f["rule"], f["pool"], f["role"]) for f in loose] == [
+        ("misplaced_indices", "mamba", "host"),
+        ("double_free", "kv", "device"),
+    ]
+    # the filters hold: another pool, or one op, shows none of them
+    code, text, _ = cli("inspect", str(log), "--json", "--pool", "kv")
+    assert [f["rule"] for f in json.loads(text)["outside_ops"]] == ["double_free"]
+    code, text, _ = cli("inspect", str(log), "--json", "--op", "0")
+    assert json.loads(text)["outside_ops"] == []
