@@ -713,7 +713,10 @@ def build_controller(
     if layout not in ("page_first", "layer_first", "page_first_direct"):
         raise ConfigError(f"layout must be page_first, layer_first or page_first_direct, got {layout!r}")
     if spec.swa_layer_ids:
-        raise ConfigError(f"model {spec.name!r}: the SGLang harness builds KV and KV + Mamba models, not SWA")
+        raise ConfigError(
+            f"model {spec.name!r}: build_controller builds KV and KV + Mamba models; SGLang builds the "
+            "SWA host pools only through its tree's init_hicache: use tree.build_swa_tree"
+        )
     if device_size <= 0 or device_size % spec.page_size:
         raise ConfigError(f"device_size must be a positive multiple of page size {spec.page_size}, got {device_size}")
     if io_backend == "direct" and layout == "page_first":

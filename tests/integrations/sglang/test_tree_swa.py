@@ -155,3 +155,10 @@ def test_what_the_harness_cannot_build_is_refused() -> None:
     if swa_tree_missing() is not None:
         with pytest.raises(IntegrationError, match="cannot build an SWA tree"):
             build_swa_tree()
+
+
+def test_build_controller_points_a_swa_model_to_the_tree() -> None:
+    from hicache_obs.integrations.sglang.testing import build_controller
+
+    with pytest.raises(ConfigError, match="only through its tree's init_hicache: use tree.build_swa_tree"):
+        build_controller(SPEC)
