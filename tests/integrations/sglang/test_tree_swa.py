@@ -160,5 +160,5 @@ def test_what_the_harness_cannot_build_is_refused() -> None:
 def test_build_controller_points_a_swa_model_to_the_tree() -> None:
     from hicache_obs.integrations.sglang.testing import build_controller
 
-    with pytest.raises(ConfigError, match="only through its tree's init_hicache: use tree.build_swa_tree"):
+    with pytest.raises(ConfigError, match=r"only through its tree's init_hicache: use tree\.build_swa_tree"):
         build_controller(SPEC)
