@@ -21,7 +21,7 @@ a ``--runtime`` other than ``cpu`` or ``cuda``, ``--layout page_first_direct`` w
 ``--io-backend direct``, any ``--fault``: it injects nothing, SGLang 0.5.10 *is* the
 pre-#22940 code) and defaults ``--layout`` to the installed release's own default; where the
 release's Mamba host pool refuses that layout and neither ``--layout`` nor ``--io-backend``
-was given (0.5.14 to 0.5.1x take ``page_first_direct`` only), it runs the hybrid model with
+was given (0.5.14 to 0.5.17 take ``page_first_direct`` only), it runs the hybrid model with
 ``--io-backend direct --layout page_first_direct`` and says so on stderr. A copy
 SGLang raises in (0.5.10's kernel backend on the hybrid model) is a failed transfer,
 counted like ours.

@@ -759,7 +759,7 @@ _MAMBA_LAYOUTS: dict[str, tuple[str, ...]] = {}
 
 def mamba_host_layouts() -> tuple[str, ...]:
     """The host layouts the installed release's Mamba host pool takes, found by building one
-    of each (cached): SGLang refuses the others when it builds the pool (0.5.14 to 0.5.1x take
+    of each (cached): SGLang refuses the others when it builds the pool (0.5.14 to 0.5.17 take
     ``page_first_direct`` only, 0.5.2x the page layouts): :class:`LayoutRefused`. Anything
     else propagates."""
     release = sglang_version() or ""

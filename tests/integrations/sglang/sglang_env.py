@@ -42,7 +42,7 @@ def needs_mamba_layout(layout: str) -> None:
 def hybrid_backend() -> tuple[str, str]:
     """An (io backend, layout) pair the installed release takes for a hybrid Mamba model: the
     kernel backend with page_first where it can, else direct with page_first_direct (0.5.14 to
-    0.5.1x take nothing else)."""
+    0.5.17 take nothing else)."""
     return ("kernel", "page_first") if "page_first" in mamba_layouts() else ("direct", "page_first_direct")
 
 
