@@ -5,7 +5,7 @@ Where SGLang is not importable these tests are skipped with the reason;
 missing SGLang a failure (``test_sglang_installed_where_required``).
 
 A test that builds a hybrid harness in a host layout the installed release's Mamba host pool
-refuses (``LayoutRefused``: 0.5.14 to 0.5.1x take ``page_first_direct`` only) is skipped with
+refuses (``LayoutRefused``: 0.5.14 to 0.5.17 take ``page_first_direct`` only) is skipped with
 SGLang's reason: that release does not run that configuration.
 """
 
