@@ -4,9 +4,10 @@ HiCache controller it creates, in it and in the processes it spawns, instrumente
 In the manner of ``opentelemetry-instrument``: the command puts a ``sitecustomize``
 first on ``PYTHONPATH`` and replaces itself with COMMAND; every Python process that
 inherits the environment (SGLang's scheduler processes, one per TP rank) then
-instruments the controllers it builds. Rank N serves ``/metrics`` on
-``127.0.0.1:BASE+N`` and writes its log under ``DIR/rank-N/``. Python processes need
-``hicache-obs`` importable (installed in the environment that runs SGLang).
+instruments the controllers it builds. Rank N serves ``/metrics`` on ``HOST:BASE+N``
+(``127.0.0.1`` unless ``--metrics-host``) and writes its log under ``DIR/rank-N/``.
+Python processes need ``hicache-obs`` importable (installed in the environment that runs
+SGLang).
 """
 
 from __future__ import annotations
@@ -26,13 +27,26 @@ _EPILOG = """\
 examples:
   hicache-obs instrument -- python -m sglang.launch_server --model-path M
   hicache-obs instrument --metrics-port 9400 --out runs/today -- python serve.py
+  hicache-obs instrument --metrics-host 0.0.0.0 -- python serve.py
+                                      scraped by a Prometheus on another host
   hicache-obs audit runs/today/       every rank's log, one report
 
-rank N serves /metrics on 127.0.0.1:BASE+N and logs under DIR/rank-N/
+rank N serves /metrics on HOST:BASE+N (HOST 127.0.0.1 by default)
+and logs under DIR/rank-N/
 """
 
 
 _port = port_arg(1)  # BASE + rank: a fixed base, never "any free port"
+
+
+def _host(value: str) -> str:
+    from ..integrations.sglang.launcher import metrics_address
+
+    try:
+        metrics_address(value, 0)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def register(sub: Any) -> None:
@@ -45,7 +59,10 @@ def register(sub: Any) -> None:
         formatter_class=formatter,
     )
     p.add_argument("--metrics-port", type=_port, default=9400, metavar="BASE",
-                   help="rank N serves /metrics on 127.0.0.1:BASE+N (default 9400)")
+                   help="rank N serves /metrics on HOST:BASE+N (default 9400)")
+    p.add_argument("--metrics-host", type=_host, default="127.0.0.1", metavar="HOST",
+                   help="the IP address /metrics binds (default 127.0.0.1, this machine only; "
+                   "0.0.0.0 or :: for every interface, for a Prometheus on another host)")
     p.add_argument("--out", default="hicache-obs-sglang", metavar="DIR",
                    help="folder of the logs, one rank-N/ folder per rank (default ./hicache-obs-sglang)")
     p.add_argument("--otlp-endpoint", metavar="URL", default=None,
@@ -65,6 +82,7 @@ def child_environment(args: argparse.Namespace, env: dict[str, str] | None = Non
     env = dict(os.environ if env is None else env)
     env[ENV["enable"]] = "1"
     env[ENV["metrics_port"]] = str(args.metrics_port)
+    env[ENV["metrics_host"]] = args.metrics_host
     env[ENV["out"]] = str(Path(args.out).resolve())
     if args.otlp_endpoint:
         env[ENV["otlp_endpoint"]] = args.otlp_endpoint

@@ -10,8 +10,9 @@ of its own:
 - an :class:`~hicache_obs.events.log.EventLog` for its TP rank, written under
   ``$HICACHE_OBS_OUT/rank-N/`` (one folder per rank; ``hicache-obs audit`` merges them);
 - the live auditor;
-- ``/metrics`` on ``127.0.0.1:$HICACHE_OBS_METRICS_PORT + N`` (the first controller of
-  each process; a port already taken is reported on stderr and the run goes on);
+- ``/metrics`` on ``$HICACHE_OBS_METRICS_HOST:$HICACHE_OBS_METRICS_PORT + N`` (host
+  ``127.0.0.1`` unless set; the first controller of each process; a port already taken, or a
+  host that is not an IP address, is one line on stderr and the run goes on without it);
 - OpenTelemetry spans when ``HICACHE_OBS_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``
   is set.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import importlib.abc
 import importlib.machinery
+import ipaddress
 import os
 import sys
 import threading
@@ -38,6 +40,7 @@ __all__ = ["ENV", "TARGETS", "install_import_hook", "instrument_new_controller",
 ENV = {
     "enable": "HICACHE_OBS_INSTRUMENT",
     "metrics_port": "HICACHE_OBS_METRICS_PORT",
+    "metrics_host": "HICACHE_OBS_METRICS_HOST",
     "out": "HICACHE_OBS_OUT",
     "otlp_endpoint": "HICACHE_OBS_OTLP_ENDPOINT",
     "rank": "HICACHE_OBS_RANK",
@@ -56,6 +59,17 @@ def pipelines() -> list[Any]:
     """The pipelines started in this process (one per instrumented controller)."""
     with _lock:
         return list(_pipelines)
+
+
+def metrics_address(host: str, port: int) -> str:
+    """``host:port`` for the /metrics server (``[host]:port`` for IPv6); ``ValueError`` naming
+    the value unless ``host`` is an IP address (the server binds it as given: ``0.0.0.0`` or
+    ``::`` for every interface)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"metrics host {host!r} is not an IP address (127.0.0.1, 0.0.0.0, ::1, ...)") from None
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def _say(msg: str) -> None:
@@ -103,14 +117,20 @@ class _Pipeline:
 
         from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
 
+        host = os.environ.get(ENV["metrics_host"]) or "127.0.0.1"
+        try:
+            where = metrics_address(host, port)
+        except ValueError as exc:
+            _say(f"rank {self.rank}: cannot serve /metrics: {exc}")
+            return
         registry = CollectorRegistry()
         self.log.add_sink(PrometheusSink(registry, log=self.log))
         try:
-            self._server, bound = start_metrics_server(registry, port=port, addr="127.0.0.1")
+            self._server, bound = start_metrics_server(registry, port=port, addr=host)
         except OSError as exc:
-            _say(f"rank {self.rank}: cannot serve /metrics on 127.0.0.1:{port}: {exc.strerror or exc}")
+            _say(f"rank {self.rank}: cannot serve /metrics on {where}: {exc.strerror or exc}")
             return
-        self.metrics_url = f"http://127.0.0.1:{bound}/metrics"
+        self.metrics_url = f"http://{metrics_address(host, bound)}/metrics"
 
     def _start_otel(self) -> None:
         endpoint = os.environ.get(ENV["otlp_endpoint"]) or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
