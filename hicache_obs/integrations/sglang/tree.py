@@ -175,11 +175,7 @@ class TreeHarness:
         finished at once: poll events, match, load back a host hit, allocate (evicting
         through the tree), write its KV, insert it and release its lock."""
         api, tree = self.api, self.tree
-        page = self.harness.spec.page_size
-        if not tokens or len(tokens) % page:
-            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
-        self.step()
-        key = api.RadixKey(array("q", tokens) if api.array_keys else list(tokens))
+        key = self._begin(tokens)
         match = tree.match_prefix(api.MatchPrefixParams(key=key))
         last_node = match.last_device_node
         prefix = self._device_prefix(match)
@@ -194,16 +190,7 @@ class TreeHarness:
                 kv=SimpleNamespace(mamba_pool_idx=None),
                 mamba_pool_idx=None,  # 0.5.18 reads it off the Req itself
             )
-            with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
-                got, last_node = tree.init_load_back(
-                    api.InitLoadBackParams(
-                        best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req
-                    )
-                )
-            if isinstance(got, torch.Tensor):
-                loaded, prefix = len(got), torch.cat([prefix, got])
-            else:  # a count, and the tree gives the path's device indices
-                loaded, prefix = int(got), tree.path_device_indices(last_node)
+            loaded, prefix, last_node = self._load_back(match, req, last_node, prefix)
         self._forward_layers(tree.ready_to_load_host_cache())
         lock = tree.inc_lock_ref(last_node)
         n_new = len(tokens) - len(prefix)
@@ -220,6 +207,34 @@ class TreeHarness:
         return s
 
     # ------------------------------------------------------------------ helpers
+    def _begin(self, tokens: Sequence[int]) -> Any:
+        """A step's first calls for a request of ``tokens`` (page-aligned): poll finished
+        writes and loads; then the request's radix key."""
+        page = self.harness.spec.page_size
+        if not tokens or len(tokens) % page:
+            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
+        self.step()
+        return self.api.RadixKey(array("q", tokens) if self.api.array_keys else list(tokens))
+
+    def _load_back_params(self, match: Any, req: Any) -> Any:
+        values = dict(
+            last_host_node=getattr(match, "last_host_node", None),  # 0.5.10, 0.5.11
+            best_match_node=getattr(match, "best_match_node", None),
+            host_hit_length=match.host_hit_length,
+            req=req,
+        )
+        return self.api.InitLoadBackParams(**{k: v for k, v in values.items() if k in self.api.load_back_fields})
+
+    def _load_back(self, match: Any, req: Any, last_node: Any, prefix: torch.Tensor) -> tuple[int, torch.Tensor, Any]:
+        """``init_load_back`` of a host hit while the device prefix is held, as the prefill
+        adder does: (tokens loaded back, the request's device prefix with them, its last node)."""
+        with self._locked(last_node):
+            got, last_node = self.tree.init_load_back(self._load_back_params(match, req))
+        if isinstance(got, torch.Tensor):
+            return len(got), torch.cat([prefix, got]), last_node
+        # a count, and the tree gives the path's device indices
+        return int(got), self.tree.path_device_indices(last_node), last_node
+
     def _forward_layers(self, producer: Any) -> None:
         """Read each layer's KV through the device pool as the model does, each read waiting
         on the load back's layer counter (a load still running has not written it yet)."""
@@ -645,12 +660,8 @@ class HybridTreeHarness(TreeHarness):
         the forward pass does, allocate (evicting through the tree), write its KV and final
         Mamba state, insert it with its Mamba slot and release its lock."""
         api, tree = self.api, self.tree
-        page = self.harness.spec.page_size
-        if not tokens or len(tokens) % page:
-            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
-        self.step()
+        key = self._begin(tokens)
         req = _Req(f"req-{len(self.served)}")
-        key = api.RadixKey(array("q", tokens) if api.array_keys else list(tokens))
         match = tree.match_prefix(api.MatchPrefixParams(key=key, cow_mamba=True, req=req))
         last_node = req.last_node = match.last_device_node
         prefix = self._device_prefix(match)
@@ -658,13 +669,8 @@ class HybridTreeHarness(TreeHarness):
         if match.host_hit_length > 0 or getattr(match, "mamba_host_hit_length", 0) > 0:
             req.mamba_host_hit_length = getattr(match, "mamba_host_hit_length", 0)
             held = req.mamba_pool_idx
-            with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
-                got, last_node = tree.init_load_back(self._load_back_params(match, req))
+            loaded, prefix, last_node = self._load_back(match, req, last_node, prefix)
             mamba_loaded = req.mamba_pool_idx is not None and req.mamba_pool_idx is not held
-            if isinstance(got, torch.Tensor):
-                loaded, prefix = len(got), torch.cat([prefix, got])
-            else:  # a count, and the tree gives the path's device indices
-                loaded, prefix = int(got), tree.path_device_indices(last_node)
         self._forward_layers(tree.ready_to_load_host_cache())
         lock = tree.inc_lock_ref(last_node)
         if req.mamba_pool_idx is None:  # alloc_req_slots: the request's own Mamba slot
@@ -709,15 +715,6 @@ class HybridTreeHarness(TreeHarness):
         return s
 
     # ------------------------------------------------------------------ helpers
-    def _load_back_params(self, match: Any, req: _Req) -> Any:
-        values = dict(
-            last_host_node=match.last_host_node,  # 0.5.10, 0.5.11
-            best_match_node=getattr(match, "best_match_node", None),
-            host_hit_length=match.host_hit_length,
-            req=req,
-        )
-        return self.api.InitLoadBackParams(**{k: v for k, v in values.items() if k in self.api.load_back_fields})
-
     def _forward_layers(self, producer: int) -> None:
         """Read each layer's KV or Mamba state through the device pools as the model does, each
         read waiting on the load back's layer counter."""
@@ -977,11 +974,7 @@ class SWATreeHarness(TreeHarness):
         SWA KV) and read it layer by layer as the forward pass does, allocate full and SWA
         slots (evicting through the tree), write its KV, insert it and release its lock."""
         api, tree = self.api, self.tree
-        page = self.harness.spec.page_size
-        if not tokens or len(tokens) % page:
-            raise ConfigError(f"a request's length must be a positive multiple of page size {page}, got {len(tokens)}")
-        self.step()
-        key = api.RadixKey(array("q", tokens) if api.array_keys else list(tokens))
+        key = self._begin(tokens)
         match = tree.match_prefix(api.MatchPrefixParams(key=key))
         last_node = match.last_device_node
         prefix = self._device_prefix(match)
@@ -996,25 +989,7 @@ class SWATreeHarness(TreeHarness):
             mamba_pool_idx=None,
         )
         if match.host_hit_length > 0 or swa_hit > 0:
-            with self._locked(last_node):  # the prefill adder holds the device prefix meanwhile
-                got, last_node = tree.init_load_back(
-                    api.InitLoadBackParams(
-                        **{
-                            k: v
-                            for k, v in dict(
-                                best_match_node=match.best_match_node,
-                                last_host_node=getattr(match, "last_host_node", None),
-                                host_hit_length=match.host_hit_length,
-                                req=req,
-                            ).items()
-                            if k in api.load_back_fields
-                        }
-                    )
-                )
-            if isinstance(got, torch.Tensor):
-                loaded, prefix = len(got), torch.cat([prefix, got])
-            else:  # a count, and the tree gives the path's device indices
-                loaded, prefix = int(got), tree.path_device_indices(last_node)
+            loaded, prefix, last_node = self._load_back(match, req, last_node, prefix)
         self._forward_layers(tree.ready_to_load_host_cache())
         lock = tree.inc_lock_ref(last_node)
         n_new = len(tokens) - len(prefix)
