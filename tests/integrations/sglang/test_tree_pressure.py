@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from sglang_env import RELEASE, needs_mamba_layout, release_tuple
+from test_tree_hybrid import _seq  # pages of the same size
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
@@ -24,15 +25,10 @@ from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang
 
-PAGE = ModelSpec.tiny().page_size
 BACKENDS = [
     pytest.param("direct", "page_first_direct", id="direct-page_first_direct"),
     pytest.param("kernel", "page_first", id="kernel-page_first"),
 ]
-
-
-def _seq(start: int, pages: int) -> list[int]:
-    return list(range(start, start + pages * PAGE))
 
 
 def _workload() -> list[list[int]]:

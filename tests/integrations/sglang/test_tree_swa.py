@@ -20,6 +20,12 @@ from typing import Any
 import pytest
 from sglang_env import RELEASE
 
+# test_tree_hybrid.py's workload, in pages of the same size: three conversations on a 128-token
+# device pool (8 pages); each next turn extends its conversation; B's and C's first turns are
+# demoted to the host (backed up by write_through) while the others run, and their next turns
+# load full and SWA KV back; A's last turn repeats
+from test_tree_hybrid import A1, A2, B1, C1, DEVICE_HITS, LOADED, WORKLOAD
+
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events import EventLog
@@ -38,21 +44,14 @@ BACKENDS = [
 ]
 
 
-def _seq(start: int, pages: int) -> list[int]:
-    return list(range(start, start + pages * PAGE))
+def test_the_workload_is_in_pages_of_this_model() -> None:
+    assert ModelSpec.tiny_hybrid().page_size == PAGE and len(A1) == 2 * PAGE
 
 
-# three conversations on a 128-token device pool (8 pages): each next turn extends its
-# conversation; B's and C's first turns are demoted to the host (backed up by write_through)
-# while the others run, and their next turns load full and SWA KV back; A's last turn repeats
-A1, B1, C1 = _seq(1000, 2), _seq(2000, 2), _seq(3000, 3)
-A2, B2, C2 = A1 + _seq(1100, 2), B1 + _seq(2100, 2), C1 + _seq(3100, 1)
-A3 = A2 + _seq(1200, 1)
-WORKLOAD = [A1, B1, C1, A2, B2, C2, A3, A2]
 # (SWA device pool, device hits, loaded backs, ops carrying SWA slots by direction)
 PLANS = {
     # SWA pool as large as the full one: the full pool's pressure alone evicts
-    "swa_128": (128, [0, 0, 0, len(A1), 0, 0, 0, len(A2)], [0, 0, 0, 0, len(B1), len(C1), len(A2), 0], 7, 3),
+    "swa_128": (128, DEVICE_HITS, LOADED, 7, 3),
     # a 96-token SWA pool: A1's SWA rows are evicted before A2 runs, and A2 loads A1 back
     "swa_96": (96, [0, 0, 0, 0, 0, 0, 0, len(A2)], [0, 0, 0, len(A1), len(B1), len(C1), len(A2), 0], 7, 4),
 }
