@@ -518,8 +518,8 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
 
     Resolves ``args.runtime`` (``cpu`` unless ``cuda``) and ``args.layout`` (the release's default when not
     given; the one SGLang really uses, e.g. ``page_first_direct`` for direct + page_first)."""
-    from ..errors import ConfigError
     from ..integrations.sglang import engine
+    from ..integrations.sglang.testing import LayoutRefused, mamba_host_layouts
 
     chosen = args.layout is not None or args.io_backend is not None
     args.io_backend = args.io_backend or "kernel"
@@ -542,9 +542,9 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
 
     try:
         harness = build(args.io_backend, layout)
-    except ConfigError as exc:
+    except LayoutRefused as exc:
         # the release's Mamba host pool takes page_first_direct (with the direct backend) only
-        if chosen or not spec.mamba_layer_ids or "page_first_direct" not in str(exc):
+        if chosen or "page_first_direct" not in mamba_host_layouts():
             raise
         harness = build("direct", "page_first_direct")
         print(

@@ -648,7 +648,8 @@ def build_harness(
     host_ratio: float = 2.0,
     runtime: str = ENGINE_RUNTIME,
 ) -> SGLangHarness:
-    """SGLang's pools and controller for ``spec``; a one-line :class:`ConfigError` when SGLang refuses them."""
+    """SGLang's pools and controller for ``spec``; a one-line :class:`ConfigError` when SGLang refuses
+    them (a :class:`~.testing.LayoutRefused` where its Mamba host pool refuses the layout)."""
     release = require_sglang()
     try:
         with _quiet_import():
@@ -663,12 +664,13 @@ def build_harness(
             )
     except LayoutRefused as refused:  # SGLang's own check, as the harness names it
         exc: BaseException = refused.__cause__ or refused
+        kind: type[ConfigError] = LayoutRefused
     except (ConfigError, IntegrationError):
         raise
     except Exception as other:  # SGLang's own checks (an assert on the layout, a ValueError)
-        exc = other
+        exc, kind = other, ConfigError
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    raise ConfigError(
+    raise kind(
         f"SGLang {release} refuses --model {spec.name} --io-backend {io_backend} --layout {layout}: {detail}"
     ) from None
 
