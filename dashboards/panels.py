@@ -309,7 +309,15 @@ STREAM_SAFETY = Board(
                 TS, "Events by type", "cps",
                 "Events the Prometheus exporter handled per second, per event type.",
                 ((sum_by("type", rate(m.EVENTS_TOTAL)), "{{type}}"),),
-                width=24, stack=True,
+                width=18, stack=True,
+            ),
+            Panel(
+                STAT, "Share of operations audited in full", "percentunit",
+                "1 under the audit profile, 0 under metrics, the sampled share under sampling (lowest of the "
+                "instances shown). The stream rules see every operation in each profile; the slot rules run "
+                "under audit, and under sampling a free of a sampled operation's indices is a use after free.",
+                ((f"min({sel(m.AUDIT_SAMPLE_RATIO)})", ""),),
+                width=6, red_from=None,
             ),
         ),
     ),

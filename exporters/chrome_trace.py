@@ -37,10 +37,12 @@ from hicache_obs.events.schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
+    OpsSubmitted,
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
+    expanded,
     runs_len,
 )
 
@@ -258,6 +260,8 @@ class ChromeTraceSink:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
+        if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
+            events = expanded(events)
         with self._lock:
             room = self.max_events - len(self.events)
             if room >= len(events):

@@ -63,6 +63,7 @@ EXPORTER_ERRORS_TOTAL = "hicache_exporter_errors_total"
 # additions beyond the stable set
 EVICTIONS_TOTAL = "hicache_evictions_total"
 EVICTED_SLOTS_TOTAL = "hicache_evicted_slots_total"
+AUDIT_SAMPLE_RATIO = "hicache_audit_sample_ratio"
 
 #: values of the ``status`` label of :data:`OPERATIONS_TOTAL`
 OPERATION_STATUSES = ("submitted", "completed", "failed")
@@ -91,6 +92,7 @@ DESIGN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 ADDITIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     EVICTIONS_TOTAL: (COUNTER, ("pool", "tier")),
     EVICTED_SLOTS_TOTAL: (COUNTER, ("pool", "tier")),
+    AUDIT_SAMPLE_RATIO: (GAUGE, ()),
 }
 
 #: Every metric :class:`~hicache_obs.exporters.prometheus.PrometheusSink` exposes.
@@ -115,6 +117,7 @@ HELP: dict[str, str] = {
     EXPORTER_ERRORS_TOTAL: "Exceptions raised by a sink (handle, flush or close).",
     EVICTIONS_TOTAL: "Evictions (SlotsFreed with reason evict), per pool and tier.",
     EVICTED_SLOTS_TOTAL: "Slots freed by eviction, per pool and tier.",
+    AUDIT_SAMPLE_RATIO: "Share of operations audited in full: 1 (profile audit), 0 (metrics), the sampled share (sampling).",
 }
 
 

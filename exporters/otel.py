@@ -73,7 +73,9 @@ from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
+    OpsSubmitted,
     StreamRecorded,
+    expanded,
 )
 
 __all__ = [
@@ -299,6 +301,8 @@ class OtelSpanSink:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
+        if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
+            events = expanded(events)
         with self._lock:
             apply = self._apply
             for ev in events:

@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler
 from operator import itemgetter
 from typing import Any
@@ -77,13 +77,16 @@ from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
+    OpsSubmitted,
     PoolCreated,
+    PoolsSampled,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
+    expanded,
 )
 
 from . import metric_names as m
@@ -193,6 +196,8 @@ class PrometheusSink:
         # the ops (live, no detail): queue waits, durations, what completed ops moved, in flight
         self._ops = OpLifecycles(detail=False)
         self._closed = False
+        self._pool_readers: list[tuple[int, Callable[[], Iterable[tuple[str, str, int, int]]]]] = []
+        self.pool_read_errors = 0
         v = self._values
         for d in DIRECTIONS:
             for s in m.OPERATION_STATUSES:
@@ -204,6 +209,7 @@ class PrometheusSink:
         for rule in RULES:
             if rule == "incomplete_operation":
                 v[m.AUDIT_VIOLATIONS_TOTAL][(rule, "*")] = 0
+        v[m.AUDIT_SAMPLE_RATIO][()] = 1.0  # until a PoolsSampled says what the profile audits
         for p in pools:
             self._add_pool(p)
         self.collector = _SinkCollector(self)
@@ -244,6 +250,26 @@ class PrometheusSink:
     def pools(self) -> list[str]:
         return list(self._pools)
 
+    def read_pools_from(self, read: Callable[[], Iterable[tuple[str, str, int, int]]], *, rank: int = 0) -> None:
+        """Read rank ``rank``'s pool occupancy with ``read()`` at every scrape: ``(pool, tier,
+        used, capacity)`` rows, such as
+        :meth:`~hicache_obs.integrations.sglang.adapter.Instrumentation.pool_usage` of a
+        controller instrumented with a profile that logs no allocation. A read that raises is
+        counted in ``pool_read_errors``, and the values it last gave stay."""
+        self._pool_readers.append((rank, read))
+
+    def _read_pools(self) -> None:
+        for rank, read in self._pool_readers:
+            try:
+                rows = list(read())
+            except Exception:
+                self.pool_read_errors += 1
+                continue
+            for pool, tier, used, capacity in rows:
+                self._add_pool(pool)
+                self._used[(rank, pool, tier)] = used
+                self._capacity[(rank, pool, tier)] = capacity
+
     def _inc(self, name: str, labels: Labels, by: float = 1) -> None:
         d = self._values[name]
         d[labels] = d.get(labels, 0) + by
@@ -254,11 +280,13 @@ class PrometheusSink:
 
     def handle_batch(self, events: list[Event]) -> None:
         with self._lock:
-            # most of a log is allocations and frees: count those inline, by type in one pass
+            # events as logged (an OpsSubmitted is one), by type in one pass
             by_type = self._values[m.EVENTS_TOTAL]
             for cls, n in Counter(map(type, events)).items():
                 key = (cls.__name__,)
                 by_type[key] = by_type.get(key, 0) + n
+            if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
+                events = expanded(events)
             used = self._used
             pools = self._pools
             apply = self._apply_other
@@ -294,7 +322,13 @@ class PrometheusSink:
         ``hicache_events_total`` (``handle_batch`` does those)."""
         cls = type(ev)
         if cls in NOT_OP_EVENTS:
-            if isinstance(ev, PoolCreated):
+            if cls is PoolsSampled:  # occupancy read from the allocators (profiles metrics, sampling)
+                for pool, tier, used, capacity in ev.pools:  # type: ignore[attr-defined]
+                    self._add_pool(pool)
+                    self._capacity[(ev.rank, pool, tier)] = capacity
+                    self._used[(ev.rank, pool, tier)] = used
+                self._values[m.AUDIT_SAMPLE_RATIO][()] = ev.audit_sample  # type: ignore[attr-defined]
+            elif isinstance(ev, PoolCreated):
                 self._add_pool(ev.pool)
                 k3 = (ev.rank, ev.pool, ev.tier)
                 self._capacity[k3] = ev.capacity
@@ -355,6 +389,8 @@ class PrometheusSink:
     def snapshot(self) -> dict[str, dict[Labels, float]]:
         """Current values of the counters and gauges: ``{name: {label values: value}}``."""
         with self._lock:
+            if self._pool_readers:
+                self._read_pools()
             out = {name: dict(d) for name, d in self._values.items()}
             inflight = out[m.TRANSFERS_IN_FLIGHT]
             for d in DIRECTIONS:

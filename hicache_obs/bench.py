@@ -66,6 +66,10 @@ TARGETS: list[tuple[str, str, float]] = [
     ("data_path.page_first.ps64.write_vs_memcpy", ">=", 0.7),
     ("data_path.page_first.ps64.load_vs_memcpy", ">=", 0.7),
     ("sglang.overhead_ratio", "<=", 1.05),
+    ("sglang.profiles.metrics.controller_cpu_ratio", "<=", 1.03),
+    ("sglang.profiles.metrics.events_per_op", "<=", 2.0),
+    ("sglang.profiles.audit.controller_cpu_ratio", "<=", 1.15),
+    ("sglang.profiles.sampling_minus_metrics", "<=", 0.01),
 ]
 
 
@@ -825,6 +829,228 @@ def bench_sglang_here(
     return out
 
 
+#: The profiles the ``sglang`` section's profile measure runs, beside the bare controller.
+SGLANG_PROFILES = ("metrics", "audit", "sampling")
+
+
+def _conversation_plan(turns: int, conversations: int, page_size: int, seed: int = 5) -> list[list[int]]:
+    """Multi-turn requests: each turn of a conversation is its previous turn and one more page
+    (a restart after six pages); the same plan in every run."""
+    import random
+
+    rng = random.Random(seed)
+    convs = [[c * 100_000 + i for i in range(page_size)] for c in range(conversations)]
+    out = []
+    for r in range(turns):
+        c = rng.randrange(conversations)
+        toks = convs[c] + [c * 100_000 + 50_000 + r * page_size + i for i in range(page_size)]
+        if len(toks) > 6 * page_size:
+            toks = [c * 100_000 + 70_000 + r * page_size + i for i in range(page_size)]
+        convs[c] = toks
+        out.append(toks)
+    return out
+
+
+def bench_sglang_profiles_here(
+    turns: int = 48,
+    conversations: int = 8,
+    rounds: int = 5,
+    slices: int = 2,
+    audit_sample: float = 0.01,
+    backends: tuple[tuple[str, str], ...] = SGLANG_BACKENDS,
+) -> dict[str, Any]:
+    """The ``sglang`` section's measure per profile, in this process (which must have SGLang).
+
+    SGLang's own hybrid tree cache (:func:`~hicache_obs.integrations.sglang.tree.build_hybrid_tree`,
+    write-through) serves a multi-turn plan as its scheduler does (match, load back, evict,
+    insert, back up, poll), its rows never written or read (``without_data``: the model's work
+    is not the cache's), with the copies off the controller's thread: queued on their streams
+    and run by a worker thread of their own, as a GPU runs its kernels
+    (:func:`~hicache_obs.integrations.sglang.deferred.cuda_semantics` with ``worker``). Each
+    step starts once the copies queued so far have run (a GPU's copies of this size finish
+    within a step), so every run does the same work.
+
+    A round runs ``slices`` times each of: the bare tree, and the tree instrumented with each
+    profile of :data:`SGLANG_PROFILES` (``sampling`` at ``audit_sample``) into a log whose
+    auditor, Prometheus and structlog sinks run in a sink host, in rotating orders; each run on
+    a tree built for it (untimed). Per profile: ``controller_cpu_ratio``, the controller
+    thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
+    (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
+    host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
+    """
+    from hicache_obs.exporters.sinkhost import add_sink_host
+
+    from .core.spec import ModelSpec
+    from .events.log import EventLog
+    from .events.schema import OperationQueued, OpsSubmitted
+    from .integrations.sglang import instrument
+    from .integrations.sglang.deferred import cuda_semantics
+    from .integrations.sglang.testing import LayoutRefused, prepare, sglang_version
+    from .integrations.sglang.tree import build_hybrid_tree
+
+    prepare("cpu")
+    spec = ModelSpec.tiny_hybrid()
+    plan = _conversation_plan(turns, conversations, spec.page_size)
+    tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-profiles-"))
+    kinds = ("bare", *SGLANG_PROFILES)
+    orders = [kinds[i:] + kinds[:i] for i in range(len(kinds))]
+
+    with cuda_semantics(worker=True):
+        tried: list[str] = []
+        chosen: tuple[str, str] | None = None
+        for io_backend, layout in backends:
+            try:
+                th = build_hybrid_tree(
+                    spec, io_backend=io_backend, layout=layout, write_policy="write_through",
+                    device_size=24 * spec.page_size, host_ratio=4.0,
+                )  # fmt: skip
+                th.without_data()
+                for toks in plan[:8]:
+                    th.serve(toks)
+                torch.cpu.synchronize()
+                th.step()
+            except (LayoutRefused, RuntimeError) as exc:
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                tried.append(f"{io_backend}/{layout}: {type(exc).__name__}: {first}")
+                while True:  # what that tree queued runs (and fails) before the next one starts
+                    try:
+                        torch.cpu.synchronize()
+                        break
+                    except RuntimeError:
+                        continue
+                continue
+            chosen = (io_backend, th.harness.layout)  # the layout SGLang took (direct: page_first_direct)
+            tree_name = type(th.tree).__name__
+            th.harness.close()
+            break
+        if chosen is None:
+            raise RuntimeError("sglang profiles bench: no io backend serves the plan: " + "; ".join(tried))
+
+        def fresh() -> Any:
+            th = build_hybrid_tree(
+                spec, io_backend=chosen[0], layout=chosen[1], write_policy="write_through",
+                device_size=24 * spec.page_size, host_ratio=4.0,
+            )  # fmt: skip
+            th.without_data()
+            return th
+
+        def serve_all(th: Any) -> None:
+            sync = torch.cpu.synchronize
+            for toks in plan:
+                sync()  # the copies queued so far have run: the same work in every run
+                th.serve(toks)
+            sync()
+            th.step()
+
+        counter = [0]
+
+        def one_round() -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]:
+            counter[0] += 1
+            cpu = dict.fromkeys(kinds, 0.0)
+            events = dict.fromkeys(SGLANG_PROFILES, 0)
+            ops = dict.fromkeys(SGLANG_PROFILES, 0)
+            logs: dict[str, EventLog] = {}
+            for name in SGLANG_PROFILES:
+                out_dir = tmp / f"{counter[0]}-{name}"
+                out_dir.mkdir()
+                logs[name] = EventLog(capacity=1_000_000)
+                add_sink_host(logs[name], _sglang_sink_specs(out_dir))
+            try:
+                for sl in range(slices):
+                    for name in orders[(counter[0] + sl) % len(orders)]:
+                        th = fresh()
+                        gc.collect()
+                        inst = None
+                        if name != "bare":
+                            log = logs[name]
+                            first = log.published
+                            share = audit_sample if name == "sampling" else None
+                            inst = instrument(th.controller, log=log, profile=name, audit_sample=share)
+                        c0 = time.thread_time()
+                        serve_all(th)
+                        if inst is not None:
+                            served = logs[name].published  # the events of serving (detach logs one more)
+                            inst.detach()
+                            logs[name].flush()  # the sink host handled all of it
+                        cpu[name] += time.thread_time() - c0
+                        if inst is not None:
+                            if inst.errors:
+                                raise RuntimeError(f"sglang profiles bench: {inst.errors} steps not observed")
+                            got = logs[name].events()[first:served]  # this run's (the log keeps every event)
+                            events[name] += len(got)
+                            ops[name] += sum(
+                                len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued for e in got
+                            )
+                        th.harness.close()
+                for name in SGLANG_PROFILES:
+                    c0 = time.thread_time()
+                    logs[name].close()  # closing every sink is part of the cost
+                    cpu[name] += time.thread_time() - c0
+            finally:
+                for log in logs.values():
+                    log.close()
+            host = {}
+            for name, log in logs.items():
+                for runner in log.sinks:
+                    st = runner.stats()
+                    if st["dropped"] or st["errors"]:
+                        raise RuntimeError(f"sglang profiles bench: sink {getattr(runner, 'name', runner)} lost events: {st}")
+                    hs = getattr(getattr(runner, "sink", None), "stats", None) or {}
+                    if hs.get("events"):
+                        host[name] = hs["cpu_s"] / hs["events"] * 1e6
+            return cpu, events, ops, host
+
+        gc.collect()
+        gc.freeze()
+        try:
+            one_round()  # warm up
+            got: list[tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]] = [
+                one_round() for _ in range(rounds)
+            ]
+        finally:
+            gc.unfreeze()
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    first_ops = got[0][2]
+    if len(set(first_ops.values())) != 1:
+        raise RuntimeError(f"sglang profiles bench: the profiles' runs queued different operations: {first_ops}")
+    ops_per_run = first_ops[SGLANG_PROFILES[0]] / slices
+    bare = [r[0]["bare"] for r in got]
+    out: dict[str, Any] = {
+        "release": sglang_version(),
+        "tree": tree_name,
+        "io_backend": chosen[0],
+        "layout": chosen[1],
+        "model": spec.name,
+        "turns": len(plan),
+        "ops_per_run": ops_per_run,
+        "rounds": rounds,
+        "slices_per_round": slices,
+        "audit_sample": audit_sample,
+        "bare_cpu_per_op_us": statistics.median(bare) / (ops_per_run * slices) * 1e6,
+        "copies": "a worker thread of their own (as a GPU's kernels); each step after the last copies ran",
+    }
+    for name in SGLANG_PROFILES:
+        mine = [r[0][name] for r in got]
+        ratio = ratio_of_times(mine, bare)
+        per_op = [(i - b) / (ops_per_run * slices) * 1e6 for i, b in zip(mine, bare)]
+        ev = [r[1][name] / r[2][name] for r in got if r[2][name]]
+        host = [r[3][name] for r in got if name in r[3]]
+        out[name] = {
+            "controller_cpu_ratio": ratio.median,
+            "controller_cpu_ratio_spread": [ratio.lo, ratio.hi],
+            "per_op_us": statistics.median(per_op),
+            "per_op_us_spread": [min(per_op), max(per_op)],
+            "events_per_op": statistics.median(ev) if ev else None,
+            "sink_host_cpu_us_per_event": statistics.median(host) if host else None,
+        }
+    out["sampling_minus_metrics"] = out["sampling"]["controller_cpu_ratio"] - out["metrics"]["controller_cpu_ratio"]
+    if tried:
+        out["backends_refused"] = tried
+    return out
+
+
 def _sglang_child() -> None:
     """``python -c 'from hicache_obs.bench import _sglang_child; _sglang_child()' PARAMS OUT``."""
     import json
@@ -837,7 +1063,15 @@ def _sglang_child() -> None:
     backends = params.pop("backends", None)
     if backends is not None:
         params["backends"] = tuple(tuple(b) for b in backends)
+    profiles = params.pop("profiles", None)
     result = bench_sglang_here(**params)
+    if profiles is not None:  # the measure per profile, in the same process (its harness is prepared)
+        from .errors import IntegrationError
+
+        try:
+            result["profiles"] = {"available": True, **bench_sglang_profiles_here(**profiles)}
+        except IntegrationError as exc:  # a release without SGLang's hybrid tree cache
+            result["profiles"] = {"available": False, "reason": str(exc)}
     result["torch_threads"] = torch.get_num_threads()
     Path(sys.argv[2]).write_text(json.dumps(result))
 
@@ -864,8 +1098,10 @@ def bench_sglang(
     threads: int | None = 1,
     timeout: float = 900.0,
     backends: tuple[tuple[str, str], ...] | None = None,
+    profile_rounds: int | None = 5,
 ) -> dict[str, Any]:
-    """The ``sglang`` section: :func:`bench_sglang_here` in a fresh interpreter of this Python.
+    """The ``sglang`` section: :func:`bench_sglang_here` in a fresh interpreter of this Python,
+    then (``profile_rounds`` rounds; None: not) :func:`bench_sglang_profiles_here` as ``profiles``.
 
     A fresh process, so that the harness's process-wide torch function mode (its CUDA
     stand-ins) never slows the other sections. Where SGLang is not installed:
@@ -883,6 +1119,8 @@ def bench_sglang(
     from .integrations.sglang.testing import sglang_version
 
     params: dict[str, Any] = {"nodes": nodes, "batch": batch, "rounds": rounds, "slices": slices, "threads": threads}
+    if profile_rounds is not None:
+        params["profiles"] = {"rounds": profile_rounds}
     if backends is not None:
         params["backends"] = [list(b) for b in backends]
     with tempfile.TemporaryDirectory(prefix="hicache-bench-sglang-") as d:
@@ -975,6 +1213,7 @@ def run_bench(
             rounds=3 if quick else 15,
             slices=2 if quick else 4,
             threads=torch.get_num_threads() if threads is not None else None,
+            profile_rounds=2 if quick else 7,
         )
     result["targets"] = check_targets(result)
     return result

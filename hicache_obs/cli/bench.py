@@ -119,6 +119,8 @@ def _table(result: dict[str, Any]) -> None:
     sg = result.get("sglang")
     if sg:
         console.print(_sglang_line(sg), markup=False, highlight=False, soft_wrap=True)
+        if isinstance(sg.get("profiles"), dict):
+            console.print(_profiles_line(sg["profiles"]), markup=False, highlight=False, soft_wrap=True)
     ev = result.get("events")
     if ev:
         console.print(
@@ -126,6 +128,27 @@ def _table(result: dict[str, Any]) -> None:
             f"({ev['replay_retained_vs_floor']:.2f}x the floor; the target row folds as it reads, as "
             "`hicache-obs audit` does)"
         )
+
+
+def _profiles_line(pr: dict[str, Any]) -> str:
+    """The ``sglang`` section's measure per profile in one line."""
+    if not pr.get("available"):
+        return f"sglang profiles: not measured: {pr.get('reason', '?')}"
+    parts = []
+    for name in ("metrics", "audit", "sampling"):
+        p = pr[name]
+        lo, hi = p["controller_cpu_ratio_spread"]
+        ev = p["events_per_op"]
+        parts.append(
+            f"{name} {p['controller_cpu_ratio']:.3f} ({lo:.3f}-{hi:.3f}), {p['per_op_us']:+.0f} us, "
+            + (f"{ev:.2f} events" if ev is not None else "? events")
+        )
+    return (
+        f"sglang profiles ({pr['tree']}, {pr['io_backend']}/{pr['layout']}, copies on a worker thread, "
+        f"{pr['rounds']} rounds; controller thread CPU instrumented / bare, per operation, "
+        f"bare {pr['bare_cpu_per_op_us']:.0f} us): " + "; ".join(parts)
+        + f"; sampling {pr['audit_sample']:g} minus metrics {pr['sampling_minus_metrics']:+.3f}"
+    )
 
 
 def _sglang_line(sg: dict[str, Any]) -> str:

@@ -6,6 +6,8 @@ first on ``PYTHONPATH`` and replaces itself with COMMAND; every Python process t
 inherits the environment (SGLang's scheduler processes, one per TP rank) then
 instruments the controllers it builds. Rank N serves ``/metrics`` on ``HOST:BASE+N``
 (``127.0.0.1`` unless ``--metrics-host``) and writes its log under ``DIR/rank-N/``.
+``--profile`` (default ``metrics``, or ``HICACHE_OBS_PROFILE``) chooses how much evidence
+each rank records; ``--audit-sample`` the share ``sampling`` audits in full.
 Python processes need ``hicache-obs`` importable (installed in the environment that runs
 SGLang).
 """
@@ -19,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+from ..profiles import AUDIT_SAMPLE_ENV, PROFILE_ENV, PROFILES, profile_from_env, resolve_profile
 from ._common import EXIT_USAGE, CliError, formatter, port_arg
 
 __all__ = ["register", "run", "child_environment"]
@@ -29,6 +33,10 @@ examples:
   hicache-obs instrument --metrics-port 9400 --out runs/today -- python serve.py
   hicache-obs instrument --metrics-host 0.0.0.0 -- python serve.py
                                       scraped by a Prometheus on another host
+  hicache-obs instrument --profile audit -- python serve.py
+                                      every event and every rule (staging, CI)
+  hicache-obs instrument --audit-sample 0.01 -- python serve.py
+                                      metrics, and 1 % of the ops fully audited
   hicache-obs audit runs/today/       every rank's log, one report
 
 rank N serves /metrics on HOST:BASE+N (HOST 127.0.0.1 by default)
@@ -37,6 +45,16 @@ and logs under DIR/rank-N/
 
 
 _port = port_arg(1)  # BASE + rank: a fixed base, never "any free port"
+
+
+def _share(value: str) -> float:
+    try:
+        share = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number from 0 to 1") from None
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number from 0 to 1")
+    return share
 
 
 def _host(value: str) -> str:
@@ -63,6 +81,13 @@ def register(sub: Any) -> None:
     p.add_argument("--metrics-host", type=_host, default="127.0.0.1", metavar="HOST",
                    help="the IP address /metrics binds (default 127.0.0.1, this machine only; "
                    "0.0.0.0 or :: for every interface, for a Prometheus on another host)")
+    p.add_argument("--profile", choices=PROFILES, default=None,
+                   help="metrics: the dashboards' metrics and the op rules, one event per submission; "
+                   "audit: every event, every rule; sampling: metrics plus the full audit of a share "
+                   "of the operations (default: $HICACHE_OBS_PROFILE, else metrics)")
+    p.add_argument("--audit-sample", type=_share, default=None, metavar="SHARE",
+                   help="share of the operations audited in full, 0 to 1 (with metrics: sampling; "
+                   "default for sampling 0.01)")
     p.add_argument("--out", default="hicache-obs-sglang", metavar="DIR",
                    help="folder of the logs, one rank-N/ folder per rank (default ./hicache-obs-sglang)")
     p.add_argument("--otlp-endpoint", metavar="URL", default=None,
@@ -84,6 +109,14 @@ def child_environment(args: argparse.Namespace, env: dict[str, str] | None = Non
     env[ENV["metrics_port"]] = str(args.metrics_port)
     env[ENV["metrics_host"]] = args.metrics_host
     env[ENV["out"]] = str(Path(args.out).resolve())
+    profile = getattr(args, "profile", None)
+    share = getattr(args, "audit_sample", None)
+    if profile is None and share is None:
+        chosen = profile_from_env(env)  # checked here: a bad value fails before COMMAND starts
+    else:
+        chosen = resolve_profile(profile or env.get(PROFILE_ENV) or None, share, default="metrics")
+    env[PROFILE_ENV] = chosen.name
+    env[AUDIT_SAMPLE_ENV] = repr(chosen.audit_sample) if chosen.name == "sampling" else ""
     if args.otlp_endpoint:
         env[ENV["otlp_endpoint"]] = args.otlp_endpoint
     old = env.get("PYTHONPATH")
@@ -103,7 +136,10 @@ def run(args: argparse.Namespace) -> int:
     exe = shutil.which(command[0])
     if exe is None:
         raise CliError(f"instrument: command not found: {command[0]!r}", 127)
-    env = child_environment(args)
+    try:
+        env = child_environment(args)
+    except ConfigError as exc:
+        raise CliError(f"instrument: {exc}", EXIT_USAGE) from None
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(exe, command, env)  # replaces this process: signals and the exit status are COMMAND's

@@ -71,6 +71,7 @@ from .schema import (
     IndicesMisplaced,
     IndicesMoved,
     OperationsMerged,
+    OpsSubmitted,
     PoolCreated,
     Runs,
     SlotsAllocated,
@@ -79,6 +80,7 @@ from .schema import (
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
+    expand,
 )
 from .state import (
     ALLOC,
@@ -437,6 +439,9 @@ class Auditor:
             return self
         ranks, plan = self._ranks, self._plan
         for ev in events:  # handle() in fold mode, inlined: most of a replay's time
+            if type(ev) is OpsSubmitted:  # one submission's events (metrics and sampling profiles)
+                self.feed(expand(ev))  # type: ignore[arg-type]
+                continue
             r = ranks.get(ev.rank)
             if r is None:
                 r = ranks[ev.rank] = _RankAudit(True, self._limits)
@@ -479,6 +484,9 @@ class Auditor:
             return
         h = self._handlers.get(cls)
         if h is None:
+            if cls is OpsSubmitted:  # one submission's events (metrics and sampling profiles)
+                for part in expand(ev):  # type: ignore[arg-type]
+                    self.handle(part)
             return
         if r is None:
             r = self._ranks[ev.rank] = _RankAudit(False)
@@ -605,8 +613,8 @@ class Auditor:
             rec = r.record(ev.rank, op)
             f = rec.evidence if rec is not None else None
             sub = rec.submit if rec is not None else None
-            if f is None or sub is None or key in f.spans or key in f.freed:
-                continue  # not in flight, or its slots are known, or reported already
+            if f is None or sub is None or (key in f.spans and key in r.tables) or key in f.freed:
+                continue  # not in flight, or its slots are tracked (SlotsFreed says it), or reported already
             f.freed.add(key)
             t = ev.tensor
             self._report(

@@ -57,13 +57,16 @@ from .schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
+    OpsSubmitted,
     PoolCreated,
+    PoolsSampled,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
+    expand,
 )
 
 __all__ = [
@@ -87,7 +90,7 @@ OMITTED_RULE = "pool_omitted"
 
 #: Event types that never touch an operation: :meth:`OpLifecycles.apply` returns None for them.
 NOT_OP_EVENTS = frozenset(
-    {PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed, IndicesMisplaced, FreeRefused}
+    {PoolCreated, SlotsAllocated, SlotsFreed, AllocationFailed, IndicesMisplaced, FreeRefused, PoolsSampled}
 )
 
 OpKey = tuple[int, int]  # (rank, op)
@@ -374,7 +377,14 @@ class OpLifecycles:
     def apply(self, ev: Event) -> Applied | None:
         """Fold one event: ``(what it did, the op's record)``, None for an event that touches no op."""
         fold = self._FOLD.get(type(ev))
-        return fold(self, ev) if fold is not None else None
+        if fold is not None:
+            return fold(self, ev)
+        if type(ev) is OpsSubmitted:  # the events it stands for, in order: what the submission did last
+            got = None
+            for part in expand(ev):  # type: ignore[arg-type]
+                got = self.apply(part) or got
+            return got
+        return None
 
     def _record(self, rank: int, op: int, direction: str = "") -> OpRecord:
         key = (rank, op)

@@ -32,7 +32,7 @@ import msgspec
 
 from .._native import gap_free_run
 from ..errors import LogFormatError, SequenceError, UnsupportedLogVersionError
-from .schema import LOG_FORMAT, READABLE_VERSIONS, AnyEvent, Event
+from .schema import LOG_FORMAT, READABLE_VERSIONS, AnyEvent, Event, expanded
 from .state import CacheState, PoolLimits, fold
 from .store import SEGMENT_GLOB
 
@@ -416,10 +416,11 @@ def _check_sequence(rank: int, items: list[tuple[Event, str]]) -> None:
 
 
 def _merge(by_rank: dict[int, list[Event]]) -> list[Event]:
+    """The ranks' events in one list, each ``OpsSubmitted`` as the events it stands for."""
     if len(by_rank) == 1:
-        return list(next(iter(by_rank.values())))
+        return expanded(next(iter(by_rank.values())))
     # each rank keeps its seq order; ranks interleave by time, then rank
-    return list(heapq.merge(*(by_rank[r] for r in sorted(by_rank)), key=lambda e: (e.ts_ns, e.rank)))
+    return expanded(heapq.merge(*(by_rank[r] for r in sorted(by_rank)), key=lambda e: (e.ts_ns, e.rank)))
 
 
 #: Bytes of a log decoded at a time when its events are folded as they are read

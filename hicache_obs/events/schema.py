@@ -9,6 +9,7 @@ index tensor (where it lives, how long, its address) without keeping it alive.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -45,6 +46,11 @@ __all__ = [
     "runs_from_list",
     "expand_runs",
     "runs_len",
+    "OpsSubmitted",
+    "PoolsSampled",
+    "Moved",
+    "expand",
+    "expanded",
     "LOG_FORMAT",
     "LOG_FORMAT_VERSION",
     "READABLE_VERSIONS",
@@ -59,11 +65,12 @@ LOG_FORMAT = "hicache-obs/events"
 #: that event's ``ts_ns``), the end-of-log ones after every event (version 1 logged them
 #: after the revealing event). Version 3: version 2, with one more event type a reader of
 #: version 2 does not know (``IndicesFreed``). Version 4: version 3, with two more
-#: (``IndicesMisplaced``, ``FreeRefused``). See docs/events.md, "Compatibility".
-LOG_FORMAT_VERSION = 4
+#: (``IndicesMisplaced``, ``FreeRefused``). Version 5: version 4, with two more
+#: (``OpsSubmitted``, ``PoolsSampled``). See docs/events.md, "Compatibility".
+LOG_FORMAT_VERSION = 5
 #: The versions this reader reads; a segment of a newer version is refused
 #: (:class:`~hicache_obs.errors.UnsupportedLogVersionError`). See docs/events.md, "Compatibility".
-READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3, 4)
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3, 4, 5)
 
 #: Largest pool this schema accepts (slots); bounds what a hostile log can make a reader allocate.
 MAX_CAPACITY = 1 << 28
@@ -74,6 +81,7 @@ Count = Annotated[int, Meta(ge=0, le=MAX_CAPACITY)]
 Direction = Literal["d2h", "h2d"]
 Tier = Literal["device", "host"]
 Role = Literal["host", "device"]
+Share = Annotated[float, Meta(ge=0.0, le=1.0)]
 
 #: A run-length list of slot indices: ``((start, length), ...)``.
 Runs = tuple[tuple[Slot, Count], ...]
@@ -195,6 +203,59 @@ class TransferSubmitted(Event, frozen=True, kw_only=True):
     sidecar_pools: tuple[tuple[str, str], ...] = ()
 
 
+class Moved(msgspec.Struct, frozen=True, gc=False):
+    """One index move of an :class:`OpsSubmitted`: what its ``IndicesMoved`` holds."""
+
+    pool: str
+    role: Role
+    src_device: str
+    dst_device: str
+    tensor: TensorRef
+    stream: str = ""
+
+
+class OpsSubmitted(Event, frozen=True, kw_only=True):
+    """One submission as a single event (the ``metrics`` and ``sampling`` profiles): the ops
+    merged into ``op`` with when each was queued, the index moves, the ``record_stream`` calls
+    and the transfer itself. Readers see it as the events it stands for (:func:`expand`):
+    an ``OperationQueued`` per queued op (with its own ``ts_ns``), ``OperationsMerged``, an
+    ``IndicesMoved`` per move, ``TransferSubmitted`` and a ``StreamRecorded`` per record, all
+    with this event's ``seq``. ``tensors`` hold index values only where ``sampled``."""
+
+    op: int
+    direction: Direction
+    stream: str
+    io_backend: str
+    layout: str
+    #: each merged op as queued: (op, node_id, priority, ts_ns), in queue order
+    queued: tuple[tuple[int, int, int, NonNeg], ...]
+    node_ids: tuple[int, ...] = ()
+    tensors: tuple[TensorRef, ...] = ()
+    slots_by_pool: tuple[tuple[str, int], ...] = ()
+    bytes_by_pool: tuple[tuple[str, int], ...] = ()
+    moves: tuple[Moved, ...] = ()
+    #: each ``record_stream`` on one of ``tensors``: (its index in ``tensors``, the stream)
+    records: tuple[tuple[NonNeg, str], ...] = ()
+    producer_id: int = -1
+    device: str = ""
+    host_indices_on_cpu: tuple[str, ...] = ()
+    sidecar_pools: tuple[tuple[str, str], ...] = ()
+    #: this op was picked for the full audit (``sampling``): ``tensors`` hold their values
+    sampled: bool = False
+    #: the pools' occupancy as the submission started: a ``PoolsSampled`` (pool, tier, used, capacity)
+    pools: tuple[tuple[str, Tier, Count, Count], ...] = ()
+    audit_sample: Share = 0.0
+
+
+class PoolsSampled(Event, frozen=True, kw_only=True):
+    """Slots in use per pool and tier, read from the allocators (the ``metrics`` and
+    ``sampling`` profiles, which record no allocation): (pool, tier, used, capacity)."""
+
+    pools: tuple[tuple[str, Tier, Count, Count], ...]
+    #: the share of operations the profile audits in full (0: ``metrics``)
+    audit_sample: Share = 0.0
+
+
 class TransferCompleted(Event, frozen=True, kw_only=True):
     op: int
     direction: Direction
@@ -274,6 +335,8 @@ AnyEvent = (
     | IndicesMisplaced
     | FreeRefused
     | AuditViolation
+    | OpsSubmitted
+    | PoolsSampled
 )
 
 EVENT_TYPES: dict[str, type[Event]] = {
@@ -294,8 +357,88 @@ EVENT_TYPES: dict[str, type[Event]] = {
         IndicesMisplaced,
         FreeRefused,
         AuditViolation,
+        OpsSubmitted,
+        PoolsSampled,
     )
 }
+
+
+def expand(ev: OpsSubmitted) -> list[Event]:
+    """The events an :class:`OpsSubmitted` stands for, in the order the ``audit`` profile logs
+    them, each with its ``seq`` and rank (the queued ops with the ``ts_ns`` they were queued at)."""
+    seq, ts, rank, op, direction = ev.seq, ev.ts_ns, ev.rank, ev.op, ev.direction
+    out: list[Event] = [
+        OperationQueued(
+            seq=seq, ts_ns=q_ts, rank=rank, op=q_op, direction=direction, node_id=node, priority=prio, slots_by_pool=()
+        )
+        for q_op, node, prio, q_ts in ev.queued
+    ]
+    out.append(
+        OperationsMerged(
+            seq=seq,
+            ts_ns=ts,
+            rank=rank,
+            op=op,
+            merged_ops=tuple(q[0] for q in ev.queued) or (op,),
+            direction=direction,
+            node_ids=ev.node_ids,
+        )
+    )
+    for m in ev.moves:
+        out.append(
+            IndicesMoved(
+                seq=seq,
+                ts_ns=ts,
+                rank=rank,
+                op=op,
+                pool=m.pool,
+                role=m.role,
+                src_device=m.src_device,
+                dst_device=m.dst_device,
+                tensor=m.tensor,
+                stream=m.stream,
+            )
+        )
+    out.append(
+        TransferSubmitted(
+            seq=seq,
+            ts_ns=ts,
+            rank=rank,
+            op=op,
+            direction=direction,
+            stream=ev.stream,
+            io_backend=ev.io_backend,
+            layout=ev.layout,
+            tensors=ev.tensors,
+            slots_by_pool=ev.slots_by_pool,
+            bytes_by_pool=ev.bytes_by_pool,
+            producer_id=ev.producer_id,
+            device=ev.device,
+            host_indices_on_cpu=ev.host_indices_on_cpu,
+            sidecar_pools=ev.sidecar_pools,
+        )
+    )
+    tensors = ev.tensors
+    for i, stream in ev.records:
+        if i < len(tensors):
+            t = tensors[i]
+            out.append(
+                StreamRecorded(seq=seq, ts_ns=ts, rank=rank, op=op, pool=t.pool, role=t.role, stream=stream, tensor=t)
+            )
+    if ev.pools:
+        out.append(PoolsSampled(seq=seq, ts_ns=ts, rank=rank, pools=ev.pools, audit_sample=ev.audit_sample))
+    return out
+
+
+def expanded(events: Iterable[Event]) -> list[Event]:
+    """``events`` with each :class:`OpsSubmitted` replaced by the events it stands for."""
+    out: list[Event] = []
+    for ev in events:
+        if type(ev) is OpsSubmitted:
+            out += expand(ev)
+        else:
+            out.append(ev)
+    return out
 
 
 def runs_from_list(values: Any) -> Runs:

@@ -41,12 +41,14 @@ from .schema import (
     Event,
     OperationQueued,
     OperationsMerged,
+    OpsSubmitted,
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
     TransferCompleted,
     TransferFailed,
     TransferSubmitted,
+    expand,
 )
 
 __all__ = [
@@ -491,6 +493,13 @@ class CacheState:
             handler(self, ev)
 
     # ---------------------------------------------------------------- handlers
+    @_folds(OpsSubmitted)
+    def _ops_submitted(self, ev: OpsSubmitted) -> None:
+        for part in expand(ev):
+            handler = _HANDLERS.get(type(part))
+            if handler is not None:
+                handler(self, part)
+
     @_folds(PoolCreated)
     def _pool_created(self, ev: PoolCreated) -> None:
         if self.limits is not None:

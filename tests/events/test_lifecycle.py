@@ -23,6 +23,7 @@ from hicache_obs.events.schema import (
     OperationQueued,
     OperationsMerged,
     PoolCreated,
+    PoolsSampled,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
@@ -232,9 +233,10 @@ def test_events_that_touch_no_op_return_none() -> None:
         AllocationFailed(**_h(4), pool="kv", tier="device", requested=9, available=8),
         IndicesMisplaced(**_h(5), pool="kv", tier="host", call="free", expected="cpu", tensor=_ref),
         FreeRefused(**_h(6), pool="kv", tier="host", call="free", tensor=_ref, error="AssertionError"),
+        PoolsSampled(**_h(7), pools=(("kv", "device", 4, 8),), audit_sample=0.0),
     ]
     lc, steps = fold(evs)
-    assert steps == [None] * 6
+    assert steps == [None] * 7
     assert {type(e) for e in evs} == NOT_OP_EVENTS
     assert lc.records == {} and lc.anomalies == []
 

@@ -189,6 +189,7 @@ def test_the_states_handlers_are_the_folds_apply_dispatches_to() -> None:
         "AllocationFailed",
         "OperationQueued",
         "OperationsMerged",
+        "OpsSubmitted",  # folded as the events it stands for
         "TransferSubmitted",
         "TransferCompleted",
         "TransferFailed",

@@ -28,7 +28,7 @@ SEGMENT = REPO / FIXTURE_V2 / "events-0-00000.jsonl"
 def test_the_fixture_is_version_2_which_stays_readable() -> None:
     # versions 3 and 4 are version 2 with more event types (IndicesFreed; IndicesMisplaced and
     # FreeRefused): every version 2 log is one
-    assert LOG_FORMAT_VERSION == 4 and READABLE_VERSIONS == (1, 2, 3, 4)
+    assert LOG_FORMAT_VERSION == 5 and READABLE_VERSIONS == (1, 2, 3, 4, 5)
     header = json.loads(SEGMENT.read_bytes().split(b"\n", 1)[0])
     assert header == {"format": "hicache-obs/events", "version": 2, "rank": 0, "segment": 0}
     assert replay(REPO / FIXTURE_V2).versions == {str(SEGMENT): 2}

@@ -69,7 +69,7 @@ def test_a_log_without_header_is_version_1_and_with_one_reads_the_same(tmp_path:
 
 def _refused(err: str, path: Path) -> None:
     assert err.count("\n") == 1 and "Traceback" not in err, err  # one line
-    assert f"{path}: log format version 99 is newer than this hicache-obs (reads versions 1-4)" in err, err
+    assert f"{path}: log format version 99 is newer than this hicache-obs (reads versions 1-5)" in err, err
 
 
 def test_a_newer_version_is_refused_with_exit_2_naming_file_and_versions(cli, tmp_path: Path) -> None:
@@ -97,9 +97,9 @@ def test_a_newer_version_is_refused_with_exit_2_naming_file_and_versions(cli, tm
 def test_a_newer_later_segment_is_refused_too(tmp_path: Path) -> None:
     lines = _fixture_lines()
     _segment(tmp_path, b"".join(lines[:500]))  # version 1, no header
-    second = _segment(tmp_path, _header(version=5, segment=1) + b"".join(lines[500:]), "events-0-00001.jsonl")
+    second = _segment(tmp_path, _header(version=6, segment=1) + b"".join(lines[500:]), "events-0-00001.jsonl")
     for keep in (True, False):
-        with pytest.raises(UnsupportedLogVersionError, match=f"{second}: log format version 5 is newer"):
+        with pytest.raises(UnsupportedLogVersionError, match=f"{second}: log format version 6 is newer"):
             replay(tmp_path, keep_events=keep)
 
 
@@ -197,7 +197,7 @@ def test_every_segment_a_store_writes_starts_with_its_header(tmp_path: Path, max
         assert len(segs) > 3 and [s[1] for s in segs] == list(range(len(segs)))
         for r, n, header, lines in segs:
             assert r == rank and header == segment_header(rank, n)
-            assert json.loads(header) == {"format": "hicache-obs/events", "version": 4, "rank": rank, "segment": n}
+            assert json.loads(header) == {"format": "hicache-obs/events", "version": 5, "rank": rank, "segment": n}
             assert lines, "no segment is a header alone"
             if max_bytes == 100:
                 assert len(lines) == 1
@@ -206,7 +206,7 @@ def test_every_segment_a_store_writes_starts_with_its_header(tmp_path: Path, max
         assert sum(len(s[3]) for s in segs) == 300 and store.events_written == 300
         assert store.bytes_written == sum(p.stat().st_size for p in store.paths)
         res = replay(tmp_path / f"r{rank}")
-        assert [e.seq for e in res.events] == list(range(300)) and set(res.versions.values()) == {4}
+        assert [e.seq for e in res.events] == list(range(300)) and set(res.versions.values()) == {5}
     # a second store in the folder goes on numbering: its first header names its own segment
     again = JsonlStore(tmp_path / "r0", max_bytes=max_bytes)
     again.handle_batch(events[:1])

@@ -47,7 +47,7 @@ def test_round_trip_across_rotation(tmp_path: Path, spec: ModelSpec) -> None:
     assert runner.stats()["dropped"] == 0
     # line 1 is the segment header; every other line a JSON object whose first key is the type tag
     header, first = paths[0].read_bytes().splitlines()[:2]
-    assert json.loads(header) == {"format": "hicache-obs/events", "version": 4, "rank": 0, "segment": 0}
+    assert json.loads(header) == {"format": "hicache-obs/events", "version": 5, "rank": 0, "segment": 0}
     obj = json.loads(first)
     assert next(iter(obj)) == "type"
     assert obj["type"] == "PoolCreated"

@@ -42,6 +42,7 @@ import gc
 import inspect
 import logging
 import threading
+import time
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -63,9 +64,12 @@ from ...events.schema import (
     IndicesFreed,
     IndicesMisplaced,
     IndicesMoved,
+    Moved,
     OperationQueued,
     OperationsMerged,
+    OpsSubmitted,
     PoolCreated,
+    PoolsSampled,
     SlotsAllocated,
     SlotsFreed,
     StreamRecorded,
@@ -74,6 +78,7 @@ from ...events.schema import (
     TransferFailed,
     TransferSubmitted,
 )
+from ...profiles import Profile, Sampler, resolve_profile
 from . import describe
 from .describe import NO_TORCH_FUNCTION, device_name, tensor_ref
 from .record_stream import RECORDS, current
@@ -254,6 +259,11 @@ class _Submission:
     side_moves: list[tuple[str, str, str, str, TensorRef]] = field(default_factory=list)
     # pools whose copy took CPU host indices by design (a staged write-back kernel)
     host_indices_on_cpu: list[str] = field(default_factory=list)
+    # picked for the full audit (profile ``sampling``); the op-level moves (one event profiles)
+    sampled: bool = False
+    moves: list[Moved] = field(default_factory=list)
+    # (pool, id(host indices), id(device indices)) of the copies seen: the tensors stay alive with the op
+    copied: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -768,15 +778,25 @@ class _FreeList:
 # ------------------------------------------------------------- instrumentation
 _I = TypeVar("_I", bound="Instrumentation")
 
+#: How often (ns) a submission carries the pools' occupancy under ``metrics`` and ``sampling``.
+POOLS_EVERY_NS = 50_000_000
+
 
 class Instrumentation:
     """One instrumented SGLang controller: its event ``log`` and ``detach()``."""
 
-    def __init__(self, controller: Any, log: EventLog, shape: _Shape) -> None:
+    def __init__(self, controller: Any, log: EventLog, shape: _Shape, profile: Profile | None = None) -> None:
         self.controller = controller
         self.log = log
         self.rank = log.rank
         self._shape = shape
+        self.profile = profile if profile is not None else resolve_profile("audit")
+        self._full = self.profile.full
+        self._sampler = Sampler(self.profile.audit_sample if not self._full else 0.0)
+        # metrics and sampling: id(op) -> when it was queued; (pool, tier, free lists, capacity) read for occupancy
+        self._queued_at: dict[int, int] = {}
+        self._usage: list[tuple[str, str, _FreeList, int]] = []
+        self._pools_at = -POOLS_EVERY_NS  # when the last submission carried the occupancy
         self._lock = threading.RLock()
         self._undo: list[Callable[[], None]] = []
         self._pending: dict[int, _Pending] = {}  # id(ack) -> op
@@ -842,6 +862,31 @@ class Instrumentation:
         return self._detached
 
     @property
+    def sampled(self) -> tuple[int, int]:
+        """(submissions picked for the full audit, submissions seen) under ``sampling``."""
+        return self._sampler.taken, self._sampler.seen
+
+    def pool_usage(self) -> tuple[tuple[str, str, int, int], ...]:
+        """(pool, tier, slots in use, capacity) of each pool tier whose allocator keeps its free
+        lists in host memory, read from the allocators now (their counts: no value is read)."""
+        out = []
+        with NO_TORCH_FUNCTION():
+            for pool, tier, watch, cap in self._usage:
+                used = (watch.units - watch.read()[2]) * watch.page
+                out.append((pool, tier, min(max(used, 0), cap), cap))
+        return tuple(out)
+
+    def sample_pools(self) -> None:
+        """Log a ``PoolsSampled`` of :meth:`pool_usage` (``metrics`` and ``sampling``; the
+        ``audit`` profile logs every allocation instead). A submission carries one at most every 50 ms (``POOLS_EVERY_NS``)."""
+        if self._full or not self._usage or self._detached:
+            return
+        try:
+            self.log.emit(PoolsSampled, pools=self.pool_usage(), audit_sample=self.profile.audit_sample)
+        except Exception:
+            self._failed("record a PoolsSampled event")
+
+    @property
     def unseen_slot_tiers(self) -> frozenset[tuple[str, str]]:
         """The ``(pool, tier)`` whose slots this instrumentation does not record: a device
         tier whose allocator keeps its free lists on a GPU (reading an index tensor there
@@ -852,7 +897,10 @@ class Instrumentation:
         return frozenset(self._unseen)
 
     def detach(self) -> None:
-        """Restore the controller exactly as it was. Idempotent."""
+        """Restore the controller exactly as it was (``metrics``, ``sampling``: after a last
+        ``PoolsSampled``). Idempotent."""
+        if not self._detached:
+            self.sample_pools()
         with _registry_lock:
             if self._detached:
                 return
@@ -872,7 +920,14 @@ class Instrumentation:
 
     # ------------------------------------------------------------- wiring
     @classmethod
-    def attach(cls: type[_I], controller: Any, *, log: EventLog | None = None, rank: int | None = None) -> _I:
+    def attach(
+        cls: type[_I],
+        controller: Any,
+        *,
+        log: EventLog | None = None,
+        rank: int | None = None,
+        profile: Profile | None = None,
+    ) -> _I:
         """Instrument ``controller`` as an instance of this class (what :func:`instrument`
         does once it checked its arguments): refused with
         :class:`~hicache_obs.errors.IntegrationError`, nothing changed, where the controller
@@ -884,16 +939,16 @@ class Instrumentation:
             shape = _detect(controller)
             if log is None:
                 log = EventLog(rank=_rank_of(controller) if rank is None else rank)
-            inst = cls.attach_to(controller, log, shape)
+            inst = cls.attach_to(controller, log, shape, profile)
             _registry[controller] = weakref.ref(inst)
         inst.hold_record_stream_observer()
         return inst
 
     @classmethod
-    def attach_to(cls: type[_I], controller: Any, log: EventLog, shape: _Shape) -> _I:
+    def attach_to(cls: type[_I], controller: Any, log: EventLog, shape: _Shape, profile: Profile | None = None) -> _I:
         """Instrument ``controller`` (of ``shape``) into ``log``; on any failure every change
         made so far is undone before the error propagates."""
-        inst = cls(controller, log, shape)
+        inst = cls(controller, log, shape, profile)
         try:
             inst._attach()
         except BaseException:
@@ -921,9 +976,13 @@ class Instrumentation:
                     continue
                 cap, page = _capacity(obj, tier)
                 try:
-                    watch = self._watches[(name, tier)] = _FreeList(obj, cap)
+                    watch = _FreeList(obj, cap)
                 except IntegrationError as exc:
                     raise IntegrationError(f"pool {name!r} ({tier}): {exc}") from None
+                if not self._full:  # occupancy read from the free lists' counts, no allocation observed
+                    self._usage.append((name, tier, watch, cap))
+                    continue
+                self._watches[(name, tier)] = watch
                 self._emit(
                     PoolCreated,
                     pool=name,
@@ -938,9 +997,8 @@ class Instrumentation:
         # each hook guards itself (an error is counted, never raised into SGLang): a queue's
         # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
-            queue = _OpQueue(
-                getattr(c, attr), partial(self._queued, direction), partial(self._queue_cleared, direction)
-            )
+            on_append = partial(self._queued, direction) if self._full else self._queued_at_append
+            queue = _OpQueue(getattr(c, attr), on_append, partial(self._queue_cleared, direction))
             self._swap_list(c, attr, queue)
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
             acks = _AckQueue(
@@ -969,10 +1027,18 @@ class Instrumentation:
             (p.name, "device", p.device_hooks) for p in shape.pools if (p.name, "device") not in self._unseen
         ]
         # a device tier whose slots are not read (free lists on a GPU) still has its frees
-        # compared with the index tensors of the ops in flight
+        # compared with the index tensors of the ops in flight; under ``sampling`` every device
+        # tier's are (of the sampled ops), under ``metrics`` none
         blind = [
-            p for p in shape.pools if (p.name, "device") in self._unseen and callable(getattr(p.device, "free", None))
+            p
+            for p in shape.pools
+            if (p.name, "device") in self._unseen or not self._full
+            if callable(getattr(p.device, "free", None))
         ]
+        if not self._full:
+            watched = []
+            if not self.profile.audit_sample:
+                blind = []
         # one look for the bound methods SGLang took, before any hook exists: every one found
         # now is SGLang's
         wanted = []
@@ -1159,6 +1225,8 @@ class Instrumentation:
                 if not ops:
                     return original(*args, **kwargs)
                 sub = _Submission(self, direction, tuple([int(op.id) for op in ops]), ops)
+                if not self._full:
+                    sub.sampled = self._sampler.take()
                 current.sub = sub
                 try:
                     result = original(*args, **kwargs)
@@ -1188,7 +1256,7 @@ class Instrumentation:
                         sub.op = _merged_view(sub, op, device)
                         self._merged(sub)
                         self._report_moves(
-                            sub.op,
+                            sub,
                             {(ANCHOR, "host"): op, (ANCHOR, "device"): device},
                             self._op_tensors(result[0], result[1], None),
                         )
@@ -1202,7 +1270,7 @@ class Instrumentation:
                 try:
                     host, device = result[0], result[1]
                     transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
-                    self._report_moves(op, before, self._op_tensors(host, device, transfers))
+                    self._report_moves(sub, before, self._op_tensors(host, device, transfers))
                 except Exception:
                     self._failed("describe an index move")
                 return result
@@ -1213,8 +1281,9 @@ class Instrumentation:
         return make
 
     def _report_moves(
-        self, op: Any, before: dict[tuple[str, str], torch.Tensor], after: dict[tuple[str, str], torch.Tensor]
+        self, sub: _Submission, before: dict[tuple[str, str], torch.Tensor], after: dict[tuple[str, str], torch.Tensor]
     ) -> None:
+        op = sub.op
         with NO_TORCH_FUNCTION():
             for key, src in before.items():
                 dst = after.get(key)
@@ -1223,6 +1292,9 @@ class Instrumentation:
                 was, now = device_name(src), device_name(dst)
                 if now != was:
                     pool, role = key
+                    if not self._full:  # carried by the submission's one event
+                        sub.moves.append(Moved(pool, role, was, now, tensor_ref(dst, pool, role, now, sub.sampled)))  # type: ignore[arg-type]
+                        continue
                     self._emit(
                         IndicesMoved,
                         op=int(op.id),
@@ -1239,6 +1311,11 @@ class Instrumentation:
                 sub = getattr(current, "sub", None)
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
+                # a load copies layer by layer with the same index tensors: the first call says it all
+                key = (pool, id(host_indices), id(device_indices))
+                if key in sub.copied:
+                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
+                sub.copied.add(key)
                 try:
                     with NO_TORCH_FUNCTION():
                         watched = self._received(sub, pool, host_indices, device_indices)
@@ -1357,7 +1434,7 @@ class Instrumentation:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             call = getattr(original, "__name__", "free")
             owner = getattr(original, "__self__", None)
-            expected = _list_device(owner) if owner is not None else None
+            expected = _list_device(owner) if owner is not None and self._full else None
 
             def free(*args: Any, **kwargs: Any) -> Any:
                 if held:
@@ -1427,6 +1504,10 @@ class Instrumentation:
             slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
         return tuple(slots.items())
 
+    def _queued_at_append(self, op: Any) -> None:
+        """A queue's append under ``metrics`` and ``sampling``: when, for the submission's event."""
+        self._queued_at[id(op)] = time.time_ns()
+
     def _queued(self, direction: str, op: Any) -> None:
         """A write or load queue's append (its hook: guards itself)."""
         try:
@@ -1449,6 +1530,9 @@ class Instrumentation:
         elsewhere the submission that merged them has reported them."""
         if getattr(self._resetting, "depth", 0):
             self._resetting.dropped.append((direction, ops))
+        if self._queued_at:
+            for op in ops:
+                self._queued_at.pop(id(op), None)
 
     def _end_dropped(self, direction: str, ops: list[Any]) -> None:
         """End queued ops a reset dropped as the library's own controller ends a queued op it
@@ -1484,6 +1568,8 @@ class Instrumentation:
         if sub.merged_emitted:
             return
         sub.merged_emitted = True
+        if not self._full:
+            return  # carried by the submission's one event
         try:
             op = sub.op
             op_id = int(op.id) if op is not None else sub.queued[0]
@@ -1513,6 +1599,9 @@ class Instrumentation:
         self._sync_findings()
 
     def _submitted(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
+        if not self._full:
+            self._submitted_one(sub, result, error)
+            return
         self._merged(sub)
         op = sub.op
         op_id = int(op.id) if op is not None else sub.queued[0]
@@ -1582,11 +1671,91 @@ class Instrumentation:
                     self._failed("record a StreamRecorded event")
         self._settle_acks(sub, op_id, error)
 
-    def _hold(self, sub: _Submission, op_id: int, refs: list[TensorRef]) -> None:
+    def _submitted_one(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
+        """A submission as one ``OpsSubmitted`` (``metrics``, ``sampling``): the merged ops as
+        queued, the moves, the records, the copies' tensors (their values where ``sampled``)
+        and the pools' occupancy."""
+        op = sub.op
+        op_id = int(op.id) if op is not None else sub.queued[0]
+        owner, attr = self._shape.streams[sub.direction]
+        stream = getattr(owner, attr)
+        stream_name = self._stream_name(stream)
+        values = sub.sampled
+        refs: list[TensorRef] = []
+        index: dict[int, list[int]] = {}  # id(tensor) -> its refs' places in ``refs``
+        for (pool, role), t in sub.uses.items():
+            index.setdefault(id(t), []).append(len(refs))
+            refs.append(tensor_ref(t, pool, role, None, values))
+        records: list[tuple[int, str]] = []
+        by_ptr: dict[tuple[int, int], list[int]] | None = None
+        for tensor, rec_stream in sub.records:
+            hits = index.get(id(tensor))
+            if hits is None:  # the same memory seen through another tensor object
+                if by_ptr is None:
+                    by_ptr = {}
+                    for group in index.values():
+                        for i in group:
+                            by_ptr.setdefault((refs[i].ptr, refs[i].numel), []).append(i)
+                hits = by_ptr.get((tensor.data_ptr() if tensor.numel() else 0, tensor.numel()))
+            if hits is None:
+                continue  # a tensor no copy of this op received
+            name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
+            records += [(i, name) for i in hits]
+        moves = list(sub.moves)
+        for pool, role, src, dst, ref in sub.side_moves:
+            moves.append(Moved(pool, role, src, dst, ref, stream_name))  # type: ignore[arg-type]
+        queued_at = self._queued_at
+        now = time.time_ns()
+        # occupancy rides along at most every POOLS_EVERY_NS (the launcher's /metrics reads the
+        # allocators at each scrape; detach() logs a last one)
+        pools: tuple[tuple[str, str, int, int], ...] = ()
+        if self._usage and now - self._pools_at >= POOLS_EVERY_NS:
+            self._pools_at = now
+            pools = self.pool_usage()
+        queued = []
+        for q in sub.queued_ops:
+            node_ids = getattr(q, "node_ids", None) or [-1]
+            queued.append(
+                (
+                    int(q.id),
+                    int(node_ids[0]),
+                    int(q.priority if q.priority is not None else q.id),
+                    queued_at.pop(id(q), now),
+                )
+            )
+        slots = self._slots_by_pool(op) if op is not None else ()
+        self._emit(
+            OpsSubmitted,
+            op=op_id,
+            direction=sub.direction,
+            stream=stream_name,
+            io_backend=self._shape.io_backend,
+            layout=self._shape.layout,
+            queued=tuple(queued),
+            node_ids=tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else (),
+            tensors=tuple(refs),
+            slots_by_pool=slots,
+            bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+            moves=tuple(moves),
+            records=tuple(records),
+            producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
+            device=self._device,
+            host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
+            sidecar_pools=tuple((name, ANCHOR) for name in sorted(self._sidecars)),
+            sampled=values,
+            pools=pools,
+            audit_sample=self.profile.audit_sample,
+        )
+        if error is None and values:
+            self._hold(sub, op_id, refs, every=True)
+        self._settle_acks(sub, op_id, error)
+
+    def _hold(self, sub: _Submission, op_id: int, refs: list[TensorRef], every: bool = False) -> None:
         """Keep, weakly, the device index tensors of a submitted op whose values its
         ``TransferSubmitted`` lacks: those the copies received, and those of the queued ops
-        merged into it (the tree's own tensors, before a merge concatenated them)."""
-        blind = {r.pool for r in refs if r.role == "device" and r.indices is None and r.numel}
+        merged into it (the tree's own tensors, before a merge concatenated them); ``every``:
+        also those whose values it holds (a sampled op: no allocation is observed)."""
+        blind = {r.pool for r in refs if r.role == "device" and (every or r.indices is None) and r.numel}
         if not blind or not sub.acks:
             return
         held: list[_Held] = []
@@ -1791,20 +1960,32 @@ def _rank_of(controller: Any) -> int:
     return 0
 
 
-def instrument(controller: Any, *, log: EventLog | None = None, rank: int | None = None) -> Instrumentation:
+def instrument(
+    controller: Any,
+    *,
+    log: EventLog | None = None,
+    rank: int | None = None,
+    profile: str | Profile = "audit",
+    audit_sample: float | None = None,
+) -> Instrumentation:
     """Instrument one live SGLang ``HiCacheController`` / ``HybridCacheController``.
 
     Returns an :class:`Instrumentation` with ``.log`` (``log``, or a new
     :class:`EventLog` for the controller's TP rank) and ``.detach()``; it is also a
-    context manager. Raises :class:`~hicache_obs.errors.IntegrationError` for an object
+    context manager. ``profile``: ``audit`` (every event, every rule), ``metrics`` (one
+    event per submission, no slot value read, no allocation observed) or ``sampling``
+    (``metrics``, and the full evidence of ``audit_sample`` of the operations; default
+    0.01); see :mod:`hicache_obs.profiles`. Raises :class:`~hicache_obs.errors.ConfigError`
+    for a bad profile or share, :class:`~hicache_obs.errors.IntegrationError` for an object
     that is not such a controller, one already instrumented, or one of a shape the
     adapter does not know (the message names what is missing); nothing is changed then.
     """
+    chosen = resolve_profile(profile, audit_sample)
     if controller is None or isinstance(controller, (str, bytes, int, float, list, dict, tuple)):
         raise IntegrationError(f"instrument() needs an SGLang HiCache controller, got {type(controller).__name__}")
     if log is not None and not isinstance(log, EventLog):
         raise IntegrationError(f"log must be an EventLog or None, got {type(log).__name__}")
-    return Instrumentation.attach(controller, log=log, rank=rank)
+    return Instrumentation.attach(controller, log=log, rank=rank, profile=chosen)
 
 
 def instrumentation_of(controller: Any) -> Instrumentation | None:

@@ -13,6 +13,12 @@ a program that is correct under CUDA's rules is correct under it, and one that r
 memory a queued copy still uses sees the result. Copies outside a stream block, on the CPU's
 current stream, run at once, as on the default stream.
 
+With ``worker=True`` the queued copies run on a thread of their own as soon as they are
+queued, in stream order, as a GPU runs its kernels beside the thread that launched them: a
+wait blocks until the copies before its mark have run, and ``Event.query()`` says whether
+they have, without running them. The thread that queues them then spends no time copying
+(what the bench's ``sglang`` section measures the controller's thread with).
+
 Test support: it patches ``torch.cpu.Event``, ``torch.cpu.synchronize``, ``torch.cpu.Stream``'s
 waits and the copy ops SGLang's modules hold for the length of the block, process-wide; one
 block at a time. Build the controller inside the block: events made before it do not mark.
@@ -34,8 +40,10 @@ from ...errors import ConfigError
 __all__ = ["cuda_semantics", "pending"]
 
 _lock = threading.RLock()
+_ran = threading.Condition(_lock)  # the worker ran a call (worker mode)
 _queues: dict[int, _Queue] = {}  # id(stream) -> its queue, while active
 _active = False
+_worker: _Worker | None = None
 
 
 class _Queue:
@@ -50,10 +58,55 @@ class _Queue:
         self.ran = 0
 
     def run_until(self, mark: int) -> None:
+        if _worker is not None:  # the worker runs them: wait until it has
+            with _ran:
+                while self.ran < mark:
+                    if _worker.error is not None:  # raised into the first thread that waits, once
+                        error, _worker.error = _worker.error, None
+                        raise RuntimeError(f"a queued copy failed on the copy worker: {error}") from error
+                    _ran.wait(0.1)
+            return
         while self.ran < mark and self.calls:
             call = self.calls.pop(0)
             self.ran += 1
             call()
+
+    def done(self, mark: int) -> bool:
+        return self.ran >= mark
+
+
+class _Worker(threading.Thread):
+    """Runs the queued copies, oldest first on each stream, as soon as they are queued."""
+
+    def __init__(self) -> None:
+        super().__init__(name="hicache-copy-worker", daemon=True)
+        self.stop = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        from .testing import _CudaMode
+
+        mode = _CudaMode()  # the stand-ins' device routing, on this thread too
+        mode.__enter__()
+        try:
+            while True:
+                with _ran:
+                    q = next((q for q in _queues.values() if q.calls), None)
+                    while q is None:
+                        if self.stop:
+                            return
+                        _ran.wait(0.1)
+                        q = next((q for q in _queues.values() if q.calls), None)
+                    call = q.calls.pop(0)
+                try:
+                    call()
+                except BaseException as exc:  # surfaced to the thread waiting for it
+                    self.error = exc
+                with _ran:
+                    q.ran += 1
+                    _ran.notify_all()
+        finally:
+            mode.__exit__(None, None, None)
 
 
 def _current_block_stream() -> Any:
@@ -79,6 +132,8 @@ def _deferring(op: Callable[..., Any]) -> Callable[..., Any]:
             q = _queue(stream)
             q.calls.append(partial(op, *args, **kwargs))
             q.queued += 1
+            if _worker is not None:
+                _ran.notify_all()
         return None
 
     call.__wrapped__ = op  # type: ignore[attr-defined]
@@ -110,6 +165,9 @@ class _Event(torch.cpu.Event):
                 mark[0].run_until(mark[1])
 
     def query(self) -> bool:
+        mark = self._mark
+        if _worker is not None and mark is not None:
+            return mark[0].done(mark[1])  # never blocks, as on a GPU
         self.run_queued()
         return bool(super().query())
 
@@ -135,10 +193,11 @@ def _run_all() -> None:
 
 
 @contextmanager
-def cuda_semantics() -> Iterator[None]:
-    """Side-stream copies run when their stream is waited for (see the module). The harness
-    must be prepared for the CPU; on leaving, every queued copy runs."""
-    global _active
+def cuda_semantics(worker: bool = False) -> Iterator[None]:
+    """Side-stream copies run when their stream is waited for, or (``worker``) on a thread of
+    their own as soon as they are queued (see the module). The harness must be prepared for
+    the CPU; on leaving, every queued copy runs."""
+    global _active, _worker
     from . import kernels
     from .testing import _POOL_MODULES, _state
 
@@ -184,11 +243,20 @@ def cuda_semantics() -> Iterator[None]:
         put(torch.cpu, "synchronize", synchronize_all)
         put(torch.cpu.Stream, "wait_event", wait_event)
         put(torch.cpu.Stream, "wait_stream", wait_stream)
+        if worker:
+            _worker = _Worker()
+            _worker.start()
         yield
     finally:
         try:
             _run_all()
         finally:
+            if _worker is not None:
+                with _ran:
+                    _worker.stop = True
+                    _ran.notify_all()
+                _worker.join()
+                _worker = None
             for step in reversed(undo):
                 step()
             with _lock:

@@ -108,9 +108,10 @@ def host_runs(t: torch.Tensor) -> Any:
     return None if values is None else runs_of(values)
 
 
-def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> TensorRef:
+def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None, values: bool = True) -> TensorRef:
     """The ``TensorRef`` of an index tensor (``dev``: its device name, where the caller has it
-    already). Values are in it where the tensor reports the CPU and is not empty."""
+    already). Values are in it where ``values`` is set and the tensor reports the CPU and is
+    not empty."""
     with NO_TORCH_FUNCTION():
         if dev is None:
             dev = device_name(t)
@@ -122,7 +123,7 @@ def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None) ->
         else:
             numel, ptr = facts[2], facts[5]
             dtype = _DL_DTYPES.get((facts[3], facts[4])) or str(t.dtype).removeprefix("torch.")
-        runs = _runs(t, facts) if dev == "cpu" and numel else None
+        runs = _runs(t, facts) if values and dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]

@@ -14,7 +14,9 @@ of its own:
   ``127.0.0.1`` unless set; the first controller of each process; a port already taken, or a
   host that is not an IP address, is one line on stderr and the run goes on without it);
 - OpenTelemetry spans when ``HICACHE_OBS_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``
-  is set.
+  is set;
+- the profile ``HICACHE_OBS_PROFILE`` names (default ``metrics``), with the share
+  ``HICACHE_OBS_AUDIT_SAMPLE`` gives ``sampling`` (:mod:`hicache_obs.profiles`).
 
 ``HICACHE_OBS_RANK`` overrides the rank read from the controller's ``tp_group``.
 Everything is flushed and closed at interpreter exit.
@@ -81,8 +83,10 @@ class _Pipeline:
         from ...events.audit import Auditor
         from ...events.log import EventLog
         from ...events.store import open_store
+        from ...profiles import profile_from_env
         from .adapter import _rank_of, instrument
 
+        self.profile = profile_from_env()  # a bad value: this controller is not instrumented (one line)
         rank_env = os.environ.get(ENV["rank"])
         self.rank = int(rank_env) if rank_env not in (None, "") else _rank_of(controller)
         self.log = EventLog(rank=self.rank)
@@ -94,9 +98,12 @@ class _Pipeline:
         self.auditor = Auditor().attach(self.log)
         self.metrics_url: str | None = None
         self._server: Any = None
+        self._sink: Any = None
         self._start_metrics()
         self._start_otel()
-        self.instrumentation = instrument(controller, log=self.log)
+        self.instrumentation = instrument(controller, log=self.log, profile=self.profile)
+        if self._sink is not None and not self.profile.full:  # no allocation logged: occupancy read at scrape
+            self._sink.read_pools_from(self.instrumentation.pool_usage, rank=self.rank)
         # a finding reaches the files before the call that revealed it returns into SGLang
         # (whose own assertion may end the process right after, without running atexit)
         auditor, store = self.auditor, self.store
@@ -124,7 +131,8 @@ class _Pipeline:
             _say(f"rank {self.rank}: cannot serve /metrics: {exc}")
             return
         registry = CollectorRegistry()
-        self.log.add_sink(PrometheusSink(registry, log=self.log))
+        self._sink = PrometheusSink(registry, log=self.log)
+        self.log.add_sink(self._sink)
         try:
             self._server, bound = start_metrics_server(registry, port=port, addr=host)
         except OSError as exc:
@@ -166,7 +174,8 @@ def instrument_new_controller(controller: Any) -> Any:
     if first:
         atexit.register(_close_all)
     where = f", /metrics at {p.metrics_url}" if p.metrics_url else ""
-    _say(f"instrumented {type(controller).__name__} (rank {p.rank}): log in {p.folder}{where}")
+    profile = p.profile.name + (f" {p.profile.audit_sample:g}" if p.profile.name == "sampling" else "")
+    _say(f"instrumented {type(controller).__name__} (rank {p.rank}, profile {profile}): log in {p.folder}{where}")
     return p
 
 

@@ -206,6 +206,17 @@ class TreeHarness:
         self.served.append(s)
         return s
 
+    def without_data(self) -> None:
+        """Serve from now on without writing or checking any row: the scheduler's calls into the
+        tree and its controller alone (what a measure of their cost runs). ``data_ok`` and the
+        other checks of what is served are None then."""
+
+        def skip(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        for name in ("_fill", "_check", "_fill_draft", "_check_draft", "_fill_mamba", "_check_mamba"):
+            setattr(self, name, skip)
+
     # ------------------------------------------------------------------ helpers
     def _begin(self, tokens: Sequence[int]) -> Any:
         """A step's first calls for a request of ``tokens`` (page-aligned): poll finished

@@ -16,7 +16,7 @@ def test_sglang_section_measures_the_real_controller() -> None:
     from hicache_obs.bench import bench_sglang
     from hicache_obs.cli.bench import _sglang_line
 
-    out = bench_sglang(nodes=8, batch=4, rounds=2, slices=1, timeout=280)
+    out = bench_sglang(nodes=8, batch=4, rounds=2, slices=1, timeout=280, profile_rounds=1)
     assert "error" not in out, out["error"] if "error" in out else None
     assert out["available"] is True and out["release"] == RELEASE
     keys = ("overhead_ratio", "per_op_overhead_us", "controller_cpu_ratio", "bare_per_op_us")
@@ -49,6 +49,30 @@ def test_sglang_section_measures_the_real_controller() -> None:
     assert out["wall_s"] > 0
     assert _sglang_line(out).startswith(f"sglang {RELEASE} (tiny_hybrid, {out['io_backend']}/")
     assert "; into an in-process log with no sinks " in _sglang_line(out)
+    _check_profiles(out["profiles"])
+
+
+def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
+    """The measure per profile: SGLang's tree, copies on a worker thread, each profile's figures."""
+    from hicache_obs.cli.bench import _profiles_line
+    from hicache_obs.integrations.sglang.tree import hybrid_trees
+
+    if not hybrid_trees():
+        assert pr["available"] is False and "cannot build a hybrid Mamba tree" in pr["reason"]
+        assert _profiles_line(pr).startswith("sglang profiles: not measured: ")
+        return
+    assert pr["available"] is True and pr["release"] == RELEASE and pr["rounds"] == 1
+    assert pr["ops_per_run"] > 20 and pr["bare_cpu_per_op_us"] > 0
+    for name in ("metrics", "audit", "sampling"):
+        p = pr[name]
+        lo, hi = p["controller_cpu_ratio_spread"]
+        assert 0 < lo <= p["controller_cpu_ratio"] <= hi and math.isfinite(p["per_op_us"])
+        assert p["sink_host_cpu_us_per_event"] > 0
+    # one event per submission and one per completion: at most two an operation
+    assert 0 < pr["metrics"]["events_per_op"] <= 2.0 and 0 < pr["sampling"]["events_per_op"] <= 2.0
+    assert pr["audit"]["events_per_op"] > 2 * pr["metrics"]["events_per_op"]
+    assert pr["sampling_minus_metrics"] == pr["sampling"]["controller_cpu_ratio"] - pr["metrics"]["controller_cpu_ratio"]
+    assert "; sampling 0.01 minus metrics " in _profiles_line(pr)
 
 
 def test_workload_leaves_every_pool_as_it_found_it() -> None:

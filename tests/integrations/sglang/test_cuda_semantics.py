@@ -147,3 +147,37 @@ def test_cuda_semantics_refuses_a_second_block() -> None:
         with pytest.raises(ConfigError, match="one block at a time"):
             with cuda_semantics():
                 pass
+
+
+@pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
+@pytest.mark.parametrize("io_backend,layout", BACKENDS)
+def test_the_copy_worker_runs_the_copies_beside_the_controller(unified: None, io_backend: str, layout: str) -> None:
+    """``worker=True``: the copies run on a thread of their own, the rows come out intact, and
+    the controller's thread copies nothing (its threads' idents, seen from inside a copy)."""
+    import threading
+
+    from hicache_obs.integrations.sglang import deferred
+
+    ran_on: set[int] = set()
+
+    def queued(op: Any, *args: Any, **kwargs: Any) -> Any:  # what a stream's queue holds: the copy call
+        def call() -> Any:
+            ran_on.add(threading.get_ident())
+            return op(*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deferred, "partial", queued)
+        with deferred.cuda_semantics(worker=True):
+            t, log, writes = _build(io_backend, layout)
+            served = [t.serve(tokens) for tokens in WORKLOAD]
+            torch.cpu.synchronize()  # waits for the worker: every copy queued so far has run
+            assert deferred.pending() == 0
+            t.step()
+    assert ran_on and threading.get_ident() not in ran_on  # every queued copy ran on the worker
+    assert writes and all(_backed_up(t, writes))
+    assert [s.loaded for s in served] == [0, 0, 0, 2 * PAGE, 0, 2 * PAGE]
+    assert all(s.data_ok for s in served), [s.data_ok for s in served]
+    log.flush()
+    assert audit([e for e in log.events() if not isinstance(e, AuditViolation)]) == []

@@ -109,7 +109,7 @@ def test_launcher_instruments_spawned_processes(tmp_path: Path) -> None:
         (work / "stop").write_text("")
         output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, output
-    assert "instrumented HybridCacheController (rank 0)" in output and "(rank 1)" in output
+    assert "instrumented HybridCacheController (rank 0, profile metrics)" in output and "(rank 1, profile metrics)" in output
     # one folder per rank, and none for the parent process, which built no controller
     assert sorted(p.name for p in out.iterdir()) == ["rank-0", "rank-1"]
     res = replay(out, audit=True)

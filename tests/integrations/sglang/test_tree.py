@@ -138,10 +138,11 @@ def test_the_finding_is_on_disk_before_sglangs_assertion_ends_the_process(
 ) -> None:
     """Under ``hicache-obs instrument`` (the controller instrumented as SGLang builds it, the
     tree's allocator methods taken before), a process that dies right after SGLang's assertion
-    leaves the finding in its log files."""
+    leaves the finding in its log files (a use after free: the audit profile's slot rules)."""
     script = f"WORKLOAD = {WORKLOAD!r}\n" + CRASHING
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hicache_obs", "instrument", "--metrics-port", str(free_port()), "--out", str(out)]
+    cmd = [sys.executable, "-m", "hicache_obs", "instrument", "--profile", "audit"]
+    cmd += ["--metrics-port", str(free_port()), "--out", str(out)]
     proc = subprocess.run(
         [*cmd, "--", sys.executable, "-W", "ignore", "-c", script, io_backend, layout],
         capture_output=True,
