@@ -852,10 +852,10 @@ def _conversation_plan(turns: int, conversations: int, page_size: int, seed: int
 
 
 def bench_sglang_profiles_here(
-    turns: int = 48,
+    turns: int = 144,
     conversations: int = 8,
     rounds: int = 5,
-    slices: int = 2,
+    slices: int = 3,
     audit_sample: float = 0.01,
     backends: tuple[tuple[str, str], ...] = SGLANG_BACKENDS,
 ) -> dict[str, Any]:

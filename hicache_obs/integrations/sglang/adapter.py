@@ -80,7 +80,7 @@ from ...events.schema import (
 )
 from ...profiles import Profile, Sampler, resolve_profile
 from . import describe
-from .describe import NO_TORCH_FUNCTION, device_name, tensor_ref
+from .describe import NO_TORCH_FUNCTION, device_name, tensor_meta, tensor_ref
 from .record_stream import RECORDS, current
 
 __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
@@ -264,6 +264,16 @@ class _Submission:
     moves: list[Moved] = field(default_factory=list)
     # (pool, id(host indices), id(device indices)) of the copies seen: the tensors stay alive with the op
     copied: set[tuple[str, int, int]] = field(default_factory=set)
+    # (id(tensor), pool, role) -> its TensorRef (one event profiles: each tensor described once)
+    refs: dict[tuple[int, str, str], TensorRef] = field(default_factory=dict)
+
+    def ref(self, t: torch.Tensor, pool: str, role: str) -> TensorRef:
+        """``t``'s description in this submission (its values where ``sampled``), made once."""
+        key = (id(t), pool, role)
+        got = self.refs.get(key)
+        if got is None:
+            got = self.refs[key] = tensor_ref(t, pool, role) if self.sampled else tensor_meta(t, pool, role)
+        return got
 
 
 @dataclass
@@ -796,6 +806,8 @@ class Instrumentation:
         # metrics and sampling: id(op) -> when it was queued; (pool, tier, free lists, capacity) read for occupancy
         self._queued_at: dict[int, int] = {}
         self._usage: list[tuple[str, str, _FreeList, int]] = []
+        self._blind: list[tuple[Any, list[Any]]] = []  # device pools whose frees meet the held tensors
+        self._armed: list[Callable[[], None]] | None = None  # sampling: the free hooks in place, their undo
         self._pools_at = -POOLS_EVERY_NS  # when the last submission carried the occupancy
         self._lock = threading.RLock()
         self._undo: list[Callable[[], None]] = []
@@ -905,6 +917,7 @@ class Instrumentation:
             if self._detached:
                 return
             self._detached = True
+            self._disarm()
             for undo in reversed(self._undo):
                 undo()
             self._undo.clear()
@@ -1050,13 +1063,36 @@ class Instrumentation:
         captured = _captured_methods(wanted)
         for (pool, tier, hooks), found in zip(watched, captured):
             self._watch_slots(pool, tier, hooks, found)
-        for b, (places, _) in zip(blind, captured[len(watched) :]):
+        self._blind = [(b, places) for b, (places, _) in zip(blind, captured[len(watched) :])]
+        if self._full:
+            self._hook_frees()
+        # sampling: the frees are hooked only while a sampled op is in flight (_arm)
+
+    def _hook_frees(self) -> None:
+        """Compare each device free of the blind pools with the tensors of the ops in flight."""
+        for b, places in self._blind:
             self._wrap(b.device, "free", self._held_free_wrapper(b.name))
             for obj, _, free_attr in b.device_hooks:
                 if obj is not b.device:
                     self._wrap(obj, free_attr, self._held_free_wrapper(b.name))
             for holder, key, _ in places:
                 self._rebind(holder, key, b.device.free)
+
+    def _arm(self) -> None:
+        """``sampling``: hook the device frees while a sampled op is in flight (a free costs
+        nothing otherwise); :meth:`_disarm` when none is."""
+        if self._armed is not None or not self._blind or self._detached:
+            return
+        kept, self._undo = self._undo, []
+        try:
+            self._hook_frees()
+        finally:
+            self._armed, self._undo = self._undo, kept
+
+    def _disarm(self) -> None:
+        armed, self._armed = self._armed, None
+        for undo in reversed(armed or ()):
+            undo()
 
     def _add_sidecar(self, name: str, pool: Any) -> None:
         """A pool that moves with the anchor's slots: its copies are uses of the op (wrapped
@@ -1293,7 +1329,7 @@ class Instrumentation:
                 if now != was:
                     pool, role = key
                     if not self._full:  # carried by the submission's one event
-                        sub.moves.append(Moved(pool, role, was, now, tensor_ref(dst, pool, role, now, sub.sampled)))  # type: ignore[arg-type]
+                        sub.moves.append(Moved(pool, role, was, now, sub.ref(dst, pool, role)))  # type: ignore[arg-type]
                         continue
                     self._emit(
                         IndicesMoved,
@@ -1685,7 +1721,7 @@ class Instrumentation:
         index: dict[int, list[int]] = {}  # id(tensor) -> its refs' places in ``refs``
         for (pool, role), t in sub.uses.items():
             index.setdefault(id(t), []).append(len(refs))
-            refs.append(tensor_ref(t, pool, role, None, values))
+            refs.append(sub.ref(t, pool, role))
         records: list[tuple[int, str]] = []
         by_ptr: dict[tuple[int, int], list[int]] | None = None
         for tensor, rec_stream in sub.records:
@@ -1774,6 +1810,8 @@ class Instrumentation:
                 held.append(_Held(pool, weakref.ref(t), *_span(t)))
         if held:
             self._held[op_id] = held
+            if not self._full:
+                self._arm()
 
     def _check_held(self, pool: str, tier: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Before a free runs: an ``IndicesFreed`` where the tensor it was handed holds the
@@ -1857,6 +1895,8 @@ class Instrumentation:
             return
         if self._held:
             self._held.pop(p.op, None)
+            if not self._held and self._armed is not None:
+                self._disarm()
         try:
             duration = 0
             if getattr(ack, "timing_enabled", False):
@@ -1890,6 +1930,8 @@ class Instrumentation:
         p = self._pending.pop(id(ack), None)
         if p is not None:
             self._held.pop(p.op, None)
+            if not self._held and self._armed is not None:
+                self._disarm()
             self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
 
 

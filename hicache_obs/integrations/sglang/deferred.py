@@ -61,10 +61,9 @@ class _Queue:
         if _worker is not None:  # the worker runs them: wait until it has
             with _ran:
                 while self.ran < mark:
-                    if _worker.error is not None:  # raised into the first thread that waits, once
-                        error, _worker.error = _worker.error, None
-                        raise RuntimeError(f"a queued copy failed on the copy worker: {error}") from error
+                    _worker.raise_error()
                     _ran.wait(0.1)
+                _worker.raise_error()
             return
         while self.ran < mark and self.calls:
             call = self.calls.pop(0)
@@ -82,6 +81,12 @@ class _Worker(threading.Thread):
         super().__init__(name="hicache-copy-worker", daemon=True)
         self.stop = False
         self.error: BaseException | None = None
+
+    def raise_error(self) -> None:
+        """A copy that failed, raised into the first thread that waits after it, once."""
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"a queued copy failed on the copy worker: {error}") from error
 
     def run(self) -> None:
         from .testing import _CudaMode

@@ -24,7 +24,7 @@ from ..._native import dlpack_facts, runs_of
 from ...core.torch_compat import no_torch_function, to_dlpack, true_is_cpu
 from ...events.schema import TensorRef
 
-__all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_ref"]
+__all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_meta", "tensor_ref"]
 
 NO_TORCH_FUNCTION = no_torch_function
 _TRUE_IS_CPU = true_is_cpu  # the storage's device, whatever a subclass reports
@@ -106,6 +106,20 @@ def host_runs(t: torch.Tensor) -> Any:
                 return facts[6]
     values = host_values(t)  # which turns dispatch off itself
     return None if values is None else runs_of(values)
+
+
+def tensor_meta(t: torch.Tensor, pool: str, role: str) -> TensorRef:
+    """The ``TensorRef`` of an index tensor without its values: where it lives, its size, type
+    and address, read from the tensor (call with torch function dispatch off)."""
+    numel = t.numel()
+    return TensorRef(
+        pool=pool,
+        role=role,  # type: ignore[arg-type]
+        device=device_name(t),
+        numel=numel,
+        dtype=_DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch."),
+        ptr=t.data_ptr() if numel else 0,
+    )
 
 
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None, values: bool = True) -> TensorRef:

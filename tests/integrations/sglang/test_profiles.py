@@ -214,3 +214,72 @@ def test_a_bad_profile_or_share_is_refused_before_anything_changes() -> None:
             assert h.controller.start_writing == free  # nothing was wrapped
     finally:
         h.close()
+
+
+def test_the_launchers_metrics_read_the_allocators_at_each_scrape() -> None:
+    """Under ``metrics`` no allocation is logged: ``read_pools_from`` gives occupancy as the
+    allocators hold it when read, as the audit profile's events give it."""
+    h = _harness()
+    try:
+        page = h.spec.page_size
+        got = {}
+        for profile in ("audit", "metrics"):
+            log = EventLog()
+            sink = PrometheusSink(log=log)
+            log.add_sink(sink)
+            inst = instrument(h.controller, log=log, profile=profile)
+            if profile == "metrics":
+                sink.read_pools_from(inst.pool_usage)
+            kv = h.alloc_kv(3 * page)  # no submission: nothing a metrics log carries
+            log.flush()
+            got[profile] = sink.snapshot()[m.POOL_USED_SLOTS][("kv", "device")]
+            h.kv_allocator.free(kv)
+            log.flush()
+            got[profile + " freed"] = sink.snapshot()[m.POOL_USED_SLOTS][("kv", "device")]
+            inst.detach()
+            log.close()
+        assert got["metrics"] == got["audit"] and got["metrics freed"] == got["audit freed"]
+        assert got["audit"] - got["audit freed"] == 3 * page
+        assert sink.pool_read_errors == 0
+    finally:
+        h.close()
+
+
+def test_a_metrics_log_reads_back_in_every_command(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The store keeps each submission as one event; audit, inspect and export read it as the
+    events it stands for."""
+    import json
+
+    from hicache_obs.cli import main
+    from hicache_obs.events.replay import replay
+    from hicache_obs.events.store import open_store
+
+    h = _harness()
+    try:
+        log = EventLog()
+        open_store(log, tmp_path / "log")
+        with instrument(h.controller, log=log, profile="metrics"):
+            from hicache_obs.bench import _sglang_plan, sglang_workload
+
+            sglang_workload(h, _sglang_plan(4, h.spec.page_size), 2)
+        log.close()
+    finally:
+        h.close()
+    lines = [json.loads(x) for f in sorted((tmp_path / "log").iterdir()) for x in f.read_text().splitlines()[1:]]
+    assert {ln["type"] for ln in lines} == {"OpsSubmitted", "TransferCompleted", "PoolsSampled"}
+    res = replay(tmp_path / "log", audit=True)
+    assert sum(type(e).__name__ == "TransferSubmitted" for e in res.events) == sum(
+        ln["type"] == "OpsSubmitted" for ln in lines
+    )
+    assert res.n_events == len(lines)
+    expect = 0 if release_tuple() >= (0, 5, 11) else 1
+    assert main(["audit", str(tmp_path / "log")]) == expect
+    assert main(["inspect", str(tmp_path / "log"), "--json"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "log"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert "unrecorded_index" in json.dumps(shown) if expect else "unrecorded_index" not in json.dumps(shown)
+    assert main(["export", str(tmp_path / "log"), "--chrome-trace", str(tmp_path / "t.json")]) == 0
+    trace = json.loads((tmp_path / "t.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "transfer"]
+    assert len(spans) == sum(ln["type"] == "OpsSubmitted" for ln in lines) == 6  # one per merged op
