@@ -37,7 +37,6 @@ from hicache_obs.events.schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
-    OpsSubmitted,
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
@@ -260,8 +259,7 @@ class ChromeTraceSink:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
-        if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
-            events = expanded(events)
+        events = expanded(events)  # an OpsSubmitted as the events it stands for
         with self._lock:
             room = self.max_events - len(self.events)
             if room >= len(events):

@@ -73,7 +73,6 @@ from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
-    OpsSubmitted,
     StreamRecorded,
     expanded,
 )
@@ -301,8 +300,7 @@ class OtelSpanSink:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
-        if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
-            events = expanded(events)
+        events = expanded(events)  # an OpsSubmitted as the events it stands for
         with self._lock:
             apply = self._apply
             for ev in events:

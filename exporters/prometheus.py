@@ -77,7 +77,6 @@ from hicache_obs.events.schema import (
     AuditViolation,
     Event,
     IndicesMoved,
-    OpsSubmitted,
     PoolCreated,
     PoolsSampled,
     SlotsAllocated,
@@ -285,8 +284,7 @@ class PrometheusSink:
             for cls, n in Counter(map(type, events)).items():
                 key = (cls.__name__,)
                 by_type[key] = by_type.get(key, 0) + n
-            if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
-                events = expanded(events)
+            events = expanded(events)  # an OpsSubmitted as the events it stands for
             used = self._used
             pools = self._pools
             apply = self._apply_other

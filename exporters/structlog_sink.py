@@ -46,7 +46,7 @@ import msgspec
 import structlog
 
 from hicache_obs.events.lifecycle import NOT_OP_EVENTS, OpLifecycles, OpRecord, Step
-from hicache_obs.events.schema import AuditViolation, Event, OpsSubmitted, expanded
+from hicache_obs.events.schema import AuditViolation, Event, expanded
 
 from ._fields import export_status
 
@@ -133,8 +133,7 @@ class StructlogSink:
         self.handle_batch([event])
 
     def handle_batch(self, events: list[Event]) -> None:
-        if any(type(ev) is OpsSubmitted for ev in events):  # one event per submission: its events
-            events = expanded(events)
+        events = expanded(events)  # an OpsSubmitted as the events it stands for
         with self._lock:
             apply = self._ops.apply
             for ev in events:

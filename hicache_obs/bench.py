@@ -523,6 +523,21 @@ _ORDERS = tuple(tuple(_KINDS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0
 SGLANG_BACKENDS: tuple[tuple[str, str], ...] = (("kernel", "page_first"), ("direct", "page_first"))
 
 
+def _sink_host_cpu_us_per_event(log: Any, what: str) -> float | None:
+    """The sink host's CPU time from ready to close per event it handled (None: it handled
+    none), once ``log`` is closed; a ``RuntimeError`` where any sink lost events (a ratio
+    measured while sinks lost events would flatter them)."""
+    host_stats: dict[str, Any] = {}
+    for runner in log.sinks:
+        st = runner.stats()
+        if st["dropped"] or st["errors"]:
+            raise RuntimeError(f"{what}: sink {getattr(runner, 'name', runner)} lost events: {st}")
+        host_stats = getattr(getattr(runner, "sink", None), "stats", None) or host_stats
+    if not host_stats.get("events"):
+        return None
+    return float(host_stats["cpu_s"] / host_stats["events"] * 1e6)
+
+
 def _sglang_plan(nodes: int, page_size: int, seed: int = 3) -> list[int]:
     """Tokens per node: 1 to 4 pages, the same plan in every round."""
     import random
@@ -723,14 +738,9 @@ def bench_sglang_here(
             run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
         finally:
             log.close()
-        host_stats: dict[str, Any] = {}
-        for runner in log.sinks:  # a ratio measured while sinks lost events would flatter them
-            st = runner.stats()
-            if st["dropped"] or st["errors"]:
-                raise RuntimeError(f"sglang bench: sink {getattr(runner, 'name', runner)} lost events: {st}")
-            host_stats = getattr(getattr(runner, "sink", None), "stats", None) or host_stats
-        if host_stats.get("events"):  # the child's CPU time from ready to close, per event it handled
-            host_cpu_per_event.append(host_stats["cpu_s"] / host_stats["events"] * 1e6)
+        per_event = _sink_host_cpu_us_per_event(log, "sglang bench")
+        if per_event is not None:
+            host_cpu_per_event.append(per_event)
         flush_per_run.append(flush_s[0] / slices)
         events[0] = log.published
         return wall, cpu
@@ -895,16 +905,20 @@ def bench_sglang_profiles_here(
     kinds = ("bare", *SGLANG_PROFILES)
     orders = [kinds[i:] + kinds[:i] for i in range(len(kinds))]
 
+    def build(io_backend: str, layout: str) -> Any:
+        th = build_hybrid_tree(
+            spec, io_backend=io_backend, layout=layout, write_policy="write_through",
+            device_size=24 * spec.page_size, host_ratio=4.0,
+        )  # fmt: skip
+        th.without_data()
+        return th
+
     with cuda_semantics(worker=True):
         tried: list[str] = []
         chosen: tuple[str, str] | None = None
         for io_backend, layout in backends:
             try:
-                th = build_hybrid_tree(
-                    spec, io_backend=io_backend, layout=layout, write_policy="write_through",
-                    device_size=24 * spec.page_size, host_ratio=4.0,
-                )  # fmt: skip
-                th.without_data()
+                th = build(io_backend, layout)
                 for toks in plan[:8]:
                     th.serve(toks)
                 torch.cpu.synchronize()
@@ -927,12 +941,7 @@ def bench_sglang_profiles_here(
             raise RuntimeError("sglang profiles bench: no io backend serves the plan: " + "; ".join(tried))
 
         def fresh() -> Any:
-            th = build_hybrid_tree(
-                spec, io_backend=chosen[0], layout=chosen[1], write_policy="write_through",
-                device_size=24 * spec.page_size, host_ratio=4.0,
-            )  # fmt: skip
-            th.without_data()
-            return th
+            return build(*chosen)
 
         def serve_all(th: Any) -> None:
             sync = torch.cpu.synchronize
@@ -991,13 +1000,9 @@ def bench_sglang_profiles_here(
                     log.close()
             host = {}
             for name, log in logs.items():
-                for runner in log.sinks:
-                    st = runner.stats()
-                    if st["dropped"] or st["errors"]:
-                        raise RuntimeError(f"sglang profiles bench: sink {getattr(runner, 'name', runner)} lost events: {st}")
-                    hs = getattr(getattr(runner, "sink", None), "stats", None) or {}
-                    if hs.get("events"):
-                        host[name] = hs["cpu_s"] / hs["events"] * 1e6
+                per_event = _sink_host_cpu_us_per_event(log, "sglang profiles bench")
+                if per_event is not None:
+                    host[name] = per_event
             return cpu, events, ops, host
 
         gc.collect()

@@ -418,7 +418,7 @@ def _check_sequence(rank: int, items: list[tuple[Event, str]]) -> None:
 def _merge(by_rank: dict[int, list[Event]]) -> list[Event]:
     """The ranks' events in one list, each ``OpsSubmitted`` as the events it stands for."""
     if len(by_rank) == 1:
-        return expanded(next(iter(by_rank.values())))
+        return expanded(list(next(iter(by_rank.values()))))  # a list of its own
     # each rank keeps its seq order; ranks interleave by time, then rank
     return expanded(heapq.merge(*(by_rank[r] for r in sorted(by_rank)), key=lambda e: (e.ts_ns, e.rank)))
 

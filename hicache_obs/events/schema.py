@@ -431,7 +431,11 @@ def expand(ev: OpsSubmitted) -> list[Event]:
 
 
 def expanded(events: Iterable[Event]) -> list[Event]:
-    """``events`` with each :class:`OpsSubmitted` replaced by the events it stands for."""
+    """``events`` with each :class:`OpsSubmitted` replaced by the events it stands for (a list
+    that holds none is returned as it is)."""
+    events = events if isinstance(events, list) else list(events)
+    if not any(type(ev) is OpsSubmitted for ev in events):
+        return events
     out: list[Event] = []
     for ev in events:
         if type(ev) is OpsSubmitted:

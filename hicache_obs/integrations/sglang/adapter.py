@@ -1644,16 +1644,7 @@ class Instrumentation:
         owner, attr = self._shape.streams[sub.direction]
         stream = getattr(owner, attr)
         stream_name = self._stream_name(stream)
-        refs: list[TensorRef] = []
-        # a tensor several pools' copies received (a draft pool copies with the KV indices)
-        # is recorded for each of them
-        by_id: dict[int, list[tuple[str, str, TensorRef]]] = {}
-        for (pool, role), t in sub.uses.items():
-            ref = tensor_ref(t, pool, role)
-            refs.append(ref)
-            by_id.setdefault(id(t), []).append((pool, role, ref))
-        by_ptr: dict[tuple[int, int], list[tuple[str, str, TensorRef]]] | None = None  # built if a record needs it
-        slots = self._slots_by_pool(op) if op is not None else ()
+        refs = [tensor_ref(t, pool, role) for (pool, role), t in sub.uses.items()]
         log = self.log
         for pool, role, src, dst, ref in sub.side_moves:
             try:
@@ -1670,42 +1661,63 @@ class Instrumentation:
             except Exception:
                 self._failed("record an IndicesMoved event")
         # also for a failed launch: the fold then sees it submitted, then failed
-        self._emit(
-            TransferSubmitted,
-            op=op_id,
-            direction=sub.direction,
-            stream=stream_name,
-            io_backend=self._shape.io_backend,
-            layout=self._shape.layout,
-            tensors=tuple(refs),
-            slots_by_pool=slots,
-            bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
-            producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
-            device=self._device,
-            host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
-            sidecar_pools=tuple((name, ANCHOR) for name in sorted(self._sidecars)),
-        )
+        self._emit(TransferSubmitted, **self._transfer_fields(sub, op_id, stream_name, refs, result))
         if error is None:
             self._hold(sub, op_id, refs)
+        for i, name in self._recorded(sub, refs, stream, stream_name):
+            ref = refs[i]
+            try:
+                log.emit(StreamRecorded, op=op_id, pool=ref.pool, role=ref.role, stream=name, tensor=ref)
+            except Exception:
+                self._failed("record a StreamRecorded event")
+        self._settle_acks(sub, op_id, error)
+
+    def _transfer_fields(
+        self, sub: _Submission, op_id: int, stream_name: str, refs: list[TensorRef], result: Any
+    ) -> dict[str, Any]:
+        """What a ``TransferSubmitted`` (or an ``OpsSubmitted``) says of the submission."""
+        op = sub.op
+        slots = self._slots_by_pool(op) if op is not None else ()
+        return {
+            "op": op_id,
+            "direction": sub.direction,
+            "stream": stream_name,
+            "io_backend": self._shape.io_backend,
+            "layout": self._shape.layout,
+            "tensors": tuple(refs),
+            "slots_by_pool": slots,
+            "bytes_by_pool": tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+            "producer_id": int(result) if sub.direction == H2D and isinstance(result, int) else -1,
+            "device": self._device,
+            "host_indices_on_cpu": tuple(sub.host_indices_on_cpu),
+            "sidecar_pools": tuple((name, ANCHOR) for name in sorted(self._sidecars)),
+        }
+
+    def _recorded(
+        self, sub: _Submission, refs: list[TensorRef], stream: Any, stream_name: str
+    ) -> list[tuple[int, str]]:
+        """Each ``record_stream`` the submission made on a tensor its copies received: (the
+        tensor's place in ``refs``, in ``sub.uses`` order, the stream's name). A tensor several
+        pools' copies received (a draft pool copies with the KV indices) is recorded for each."""
+        by_id: dict[int, list[int]] = {}
+        for i, t in enumerate(sub.uses.values()):
+            by_id.setdefault(id(t), []).append(i)
+        by_ptr: dict[tuple[int, int], list[int]] | None = None  # built if a record needs it
+        out: list[tuple[int, str]] = []
         for tensor, rec_stream in sub.records:
             hits = by_id.get(id(tensor))
             if hits is None:  # the same memory seen through another tensor object
                 if by_ptr is None:
                     by_ptr = {}
                     for group in by_id.values():
-                        for h in group:
-                            by_ptr.setdefault((h[2].ptr, h[2].numel), []).append(h)
-                key = (tensor.data_ptr() if tensor.numel() else 0, tensor.numel())
-                hits = by_ptr.get(key)
+                        for i in group:
+                            by_ptr.setdefault((refs[i].ptr, refs[i].numel), []).append(i)
+                hits = by_ptr.get((tensor.data_ptr() if tensor.numel() else 0, tensor.numel()))
             if hits is None:
                 continue  # a tensor no copy of this op received
             name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
-            for pool, role, ref in hits:
-                try:
-                    log.emit(StreamRecorded, op=op_id, pool=pool, role=role, stream=name, tensor=ref)
-                except Exception:
-                    self._failed("record a StreamRecorded event")
-        self._settle_acks(sub, op_id, error)
+            out += [(i, name) for i in hits]
+        return out
 
     def _submitted_one(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         """A submission as one ``OpsSubmitted`` (``metrics``, ``sampling``): the merged ops as
@@ -1717,26 +1729,8 @@ class Instrumentation:
         stream = getattr(owner, attr)
         stream_name = self._stream_name(stream)
         values = sub.sampled
-        refs: list[TensorRef] = []
-        index: dict[int, list[int]] = {}  # id(tensor) -> its refs' places in ``refs``
-        for (pool, role), t in sub.uses.items():
-            index.setdefault(id(t), []).append(len(refs))
-            refs.append(sub.ref(t, pool, role))
-        records: list[tuple[int, str]] = []
-        by_ptr: dict[tuple[int, int], list[int]] | None = None
-        for tensor, rec_stream in sub.records:
-            hits = index.get(id(tensor))
-            if hits is None:  # the same memory seen through another tensor object
-                if by_ptr is None:
-                    by_ptr = {}
-                    for group in index.values():
-                        for i in group:
-                            by_ptr.setdefault((refs[i].ptr, refs[i].numel), []).append(i)
-                hits = by_ptr.get((tensor.data_ptr() if tensor.numel() else 0, tensor.numel()))
-            if hits is None:
-                continue  # a tensor no copy of this op received
-            name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
-            records += [(i, name) for i in hits]
+        refs = [sub.ref(t, pool, role) for (pool, role), t in sub.uses.items()]
+        records = self._recorded(sub, refs, stream, stream_name)
         moves = list(sub.moves)
         for pool, role, src, dst, ref in sub.side_moves:
             moves.append(Moved(pool, role, src, dst, ref, stream_name))  # type: ignore[arg-type]
@@ -1759,25 +1753,13 @@ class Instrumentation:
                     queued_at.pop(id(q), now),
                 )
             )
-        slots = self._slots_by_pool(op) if op is not None else ()
         self._emit(
             OpsSubmitted,
-            op=op_id,
-            direction=sub.direction,
-            stream=stream_name,
-            io_backend=self._shape.io_backend,
-            layout=self._shape.layout,
+            **self._transfer_fields(sub, op_id, stream_name, refs, result),
             queued=tuple(queued),
             node_ids=tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else (),
-            tensors=tuple(refs),
-            slots_by_pool=slots,
-            bytes_by_pool=tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
             moves=tuple(moves),
             records=tuple(records),
-            producer_id=int(result) if sub.direction == H2D and isinstance(result, int) else -1,
-            device=self._device,
-            host_indices_on_cpu=tuple(sub.host_indices_on_cpu),
-            sidecar_pools=tuple((name, ANCHOR) for name in sorted(self._sidecars)),
             sampled=values,
             pools=pools,
             audit_sample=self.profile.audit_sample,
