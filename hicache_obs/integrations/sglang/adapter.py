@@ -107,6 +107,14 @@ def _pool_name(name: Any) -> str:
     return text
 
 
+class _Resetting(threading.local):
+    """Per thread: ``depth`` of the controller's ``reset()`` calls running on it (a class
+    default: no failed lookup); ``dropped``, the (direction, ops) its queues' ``clear()`` took."""
+
+    depth: int = 0
+    dropped: list[tuple[str, list[Any]]]  # set by the outermost reset()
+
+
 # ------------------------------------------------------------------- the queues
 class _OpQueue(list):  # type: ignore[type-arg]
     """A controller's write or load queue: appends are ``OperationQueued`` (``on_append(op)``);
@@ -193,8 +201,10 @@ class _ConversionWatch:
         watched: dict[int, tuple[str, torch.Tensor]],
         failed: Callable[[str], None],
         known: frozenset[str] = frozenset(),
+        values: bool = True,
     ) -> None:
         self.pool = pool
+        self.values = values  # describe a moved tensor with its values (else its metadata only)
         self.watched = watched  # id(tensor) -> (role, tensor)
         self.known = known  # roles whose move this op already reported (a copy per layer moves each layer)
         self._failed = failed
@@ -217,7 +227,12 @@ class _ConversionWatch:
                     with NO_TORCH_FUNCTION():
                         before, after = device_name(src), device_name(out)
                         if after != before:
-                            self.moves.append((role, before, after, tensor_ref(out, self.pool, role, after)))
+                            ref = (
+                                tensor_ref(out, self.pool, role, after)
+                                if self.values
+                                else tensor_meta(out, self.pool, role)
+                            )
+                            self.moves.append((role, before, after, ref))
                 except Exception:
                     self._failed("describe an index tensor a copy moved")
             return out
@@ -816,7 +831,7 @@ class Instrumentation:
         self._slot_bytes: dict[str, int] = {}
         self._unseen: set[tuple[str, str]] = set()
         self._watches: dict[tuple[str, str], _FreeList] = {}  # (pool, tier) -> its allocator's free lists
-        self._resetting = threading.local()  # depth: inside the controller's reset() on this thread
+        self._resetting = _Resetting()  # depth: inside the controller's reset() on this thread
         self._detached = False
         self._errors = 0
         self._finalizer: weakref.finalize | None = None  # releases the record_stream observer if never detached
@@ -1255,7 +1270,7 @@ class Instrumentation:
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def start(*args: Any, **kwargs: Any) -> Any:
-                if getattr(current, "sub", None) is not None:  # re-entered: one submission
+                if current.sub is not None:  # re-entered: one submission
                     return original(*args, **kwargs)
                 ops = list(getattr(self.controller, queue_attr))
                 if not ops:
@@ -1282,7 +1297,7 @@ class Instrumentation:
     def _move_wrapper(self, takes_op: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def move(op: Any, *args: Any, **kwargs: Any) -> Any:
-                sub = getattr(current, "sub", None)
+                sub = current.sub
                 if sub is None or sub.op is not None:  # outside a submission, or an inner move
                     return original(op, *args, **kwargs)
                 if not takes_op:  # move_indices(host, device): the anchor pair of the merged op
@@ -1344,7 +1359,7 @@ class Instrumentation:
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
-                sub = getattr(current, "sub", None)
+                sub = current.sub
                 if sub is None:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
                 # a load copies layer by layer with the same index tensors: the first call says it all
@@ -1366,7 +1381,7 @@ class Instrumentation:
                 # the first move of each (pool, role) in an op is reported: a load copies per
                 # layer, and each layer's copy converts the same indices again
                 known = frozenset(m[1] for m in sub.side_moves if m[0] == pool)
-                watch = _ConversionWatch(pool, watched, self._failed, known)
+                watch = _ConversionWatch(pool, watched, self._failed, known, self._full or sub.sampled)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
                 for role, src, dst, ref in watch.moves:
@@ -1501,7 +1516,7 @@ class Instrumentation:
         local = self._resetting
 
         def reset(*args: Any, **kwargs: Any) -> Any:
-            depth = getattr(local, "depth", 0)
+            depth = local.depth
             if not depth:
                 local.dropped = []  # (direction, ops) its queues' clear() took
             local.depth = depth + 1
@@ -1564,11 +1579,16 @@ class Instrumentation:
         """Ops a queue's ``clear()`` took: inside the controller's ``reset()``, ops that will never
         start (ended once the reset returns, after the acks it cancels: :meth:`_end_dropped`);
         elsewhere the submission that merged them has reported them."""
-        if getattr(self._resetting, "depth", 0):
+        if self._resetting.depth:
             self._resetting.dropped.append((direction, ops))
-        if self._queued_at:
+        queued_at = self._queued_at
+        if queued_at:
+            # the submission merging them clears its queue before its event takes their times
+            sub = current.sub
+            taken = {id(q) for q in sub.queued_ops} if sub is not None and sub.direction == direction else ()
             for op in ops:
-                self._queued_at.pop(id(op), None)
+                if id(op) not in taken:
+                    queued_at.pop(id(op), None)
 
     def _end_dropped(self, direction: str, ops: list[Any]) -> None:
         """End queued ops a reset dropped as the library's own controller ends a queued op it
@@ -1865,7 +1885,7 @@ class Instrumentation:
     # the ack queues' hooks (each guards itself)
     def _ack_appended(self, direction: str, ack: Any) -> None:
         try:
-            sub = getattr(current, "sub", None)
+            sub = current.sub
             if sub is not None and sub.direction == direction:
                 sub.acks.append(ack)
         except Exception:
@@ -1901,7 +1921,7 @@ class Instrumentation:
         clears the queue), outside the controller's ``reset()``; else a cancelled op."""
         if id(ack) not in self._pending:
             return
-        if getattr(self._resetting, "depth", 0):
+        if self._resetting.depth:
             self._ack_cancelled(direction, "ack queue cleared (controller reset)", ack)
         elif _copy_finished(ack):
             self._ack_taken(direction, ack)

@@ -16,9 +16,16 @@ import torch
 
 __all__ = ["RECORDS", "RecordStreamObserver", "current"]
 
-#: Per thread: ``sub``, the submission (``start_writing``/``start_loading`` call) running
-#: on it, if any; ``recording``, set while a record is being made.
-current = threading.local()
+class _PerThread(threading.local):
+    """Per thread: ``sub``, the submission (``start_writing``/``start_loading`` call) running
+    on it, if any; ``recording``, set while a record is being made. The class holds the
+    defaults, so a thread that never set them reads them without a failed lookup."""
+
+    sub: Any = None
+    recording: bool = False
+
+
+current = _PerThread()
 
 
 class RecordStreamObserver:
@@ -38,16 +45,16 @@ class RecordStreamObserver:
                 original = self.original
 
                 def record_stream(tensor: torch.Tensor, stream: Any) -> None:
-                    if getattr(current, "recording", False):  # torch-function dispatch calls us again
+                    cur = current
+                    sub = cur.sub
+                    if sub is None or cur.recording:  # no submission; torch-function dispatch calls us again
                         return original(tensor, stream)  # type: ignore[no-any-return]
-                    current.recording = True
+                    cur.recording = True
                     try:
                         original(tensor, stream)  # a record that fails was not made
                     finally:
-                        current.recording = False
-                    sub = getattr(current, "sub", None)
-                    if sub is not None:
-                        sub.records.append((tensor, stream))
+                        cur.recording = False
+                    sub.records.append((tensor, stream))
                     return None
 
                 record_stream.__doc__ = original.__doc__

@@ -118,6 +118,9 @@ def test_metrics_logs_at_most_two_events_an_operation_and_no_slot(runs: dict[str
         assert len(queued) == 32
         subs = [e for e in events if isinstance(e, OpsSubmitted)]
         assert all(0 < q[3] <= e.ts_ns for e in subs for q in e.queued)
+        # each op's own time, taken at its append (the loads are queued one by one, then merged)
+        merged = [[q[3] for q in e.queued] for e in subs if len(e.queued) > 1]
+        assert merged and all(times == sorted(set(times)) for times in merged), merged
         assert sorted(q.ts_ns for q in queued) == sorted(q[3] for e in subs for q in e.queued)
     audit_events = runs["audit"][1].events()
     assert len(audit_events) / 32 > 4  # what the metrics profile saves
