@@ -55,6 +55,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from heapq import heapify, heappop, heappush
 from itertools import accumulate
 from itertools import islice as _islice
 from operator import attrgetter
@@ -233,18 +234,22 @@ class _InUse:
     (a max-end segment tree keyed by run start, sparse, in dicts, as deep as the pool's
     slot numbers need: 15 levels for 2**15 slots, 28 at most for a log's): a free finds
     the ops it overlaps in O((k + 1) log C), k the ops found, which leave it (one finding
-    each). The tree is dropped again below ``SCAN // 4`` ops.
+    each). Ops whose runs start at the same slot share a leaf, whose largest end a heap
+    keeps (entries of ops that left are dropped when they reach its top): an op leaves in
+    O(log n + log C) however many share its starts. The tree is dropped again below
+    ``SCAN // 4`` ops.
     """
 
     SCAN = 32
 
-    __slots__ = ("ops", "_bits", "_mx", "_at")
+    __slots__ = ("ops", "_bits", "_mx", "_at", "_ends")
 
     def __init__(self, capacity: int = 1) -> None:
         self.ops: dict[int, Spans] = {}  # in submission order
         self._bits = max(capacity - 1, 1).bit_length()  # the tree covers starts 0 .. 2**_bits - 1
         self._mx: dict[int, int] | None = None  # node -> the largest end of a run starting below it
         self._at: dict[int, dict[int, int]] = {}  # start -> {op: end}
+        self._ends: dict[int, list[tuple[int, int]]] = {}  # start -> heap of (-end, op), some stale
 
     def add(self, op: int, spans: Spans) -> None:
         self.ops[op] = spans
@@ -254,7 +259,7 @@ class _InUse:
             self._build()
 
     def _build(self) -> None:
-        self._mx, self._at = {}, {}
+        self._mx, self._at, self._ends = {}, {}, {}
         for o, sp in self.ops.items():
             self._insert(o, sp)
 
@@ -263,7 +268,7 @@ class _InUse:
         if spans is None or self._mx is None:
             return
         if len(self.ops) < self.SCAN // 4:
-            self._mx, self._at = None, {}
+            self._mx, self._at, self._ends = None, {}, {}
         else:
             self._delete(op, spans)
 
@@ -285,22 +290,24 @@ class _InUse:
             self._bits = spans[0][-1].bit_length()
             self._build()
             return
-        mx, at, top = self._mx, self._at, 1 << self._bits
+        mx, at, ends, top = self._mx, self._at, self._ends, 1 << self._bits
         assert mx is not None
         for s, e in zip(*spans):
             cell = at.get(s)
             if cell is None:
                 cell = at[s] = {}
+                ends[s] = []
             if cell.get(op, -1) >= e:
                 continue
             cell[op] = e
+            heappush(ends[s], (-e, op))
             v = top + s
             while v and mx.get(v, -1) < e:
                 mx[v] = e
                 v >>= 1
 
     def _delete(self, op: int, spans: Spans) -> None:
-        mx, at, top = self._mx, self._at, 1 << self._bits
+        mx, at, ends, top = self._mx, self._at, self._ends, 1 << self._bits
         assert mx is not None
         for s in spans[0]:
             cell = at.get(s)
@@ -308,9 +315,15 @@ class _InUse:
                 continue
             v = top + s
             if cell:
-                mx[v] = max(cell.values())
+                heap = ends[s]
+                if len(heap) > 2 * len(cell) + 8:  # mostly ops that left: rebuilt (amortised O(1))
+                    heap = ends[s] = [(-end, o) for o, end in cell.items()]
+                    heapify(heap)
+                while cell.get(heap[0][1]) != -heap[0][0]:  # the top left (or moved on): drop it
+                    heappop(heap)
+                mx[v] = -heap[0][0]
             else:
-                del at[s]
+                del at[s], ends[s]
                 del mx[v]
             v >>= 1
             while v:

@@ -205,3 +205,31 @@ def test_the_index_of_slots_in_use_finds_exactly_the_ops_a_free_overlaps(base, o
         else:
             freed = {s for a, n in runs for s in range(a, a + n)}
             assert use.hits(runs) == [o for o, slots in ref.items() if slots & freed]
+
+
+def test_ops_that_share_a_run_start_leave_in_any_order() -> None:
+    """Many ops in flight from the same slot (the shared leaf's largest end is a heap, rebuilt
+    when mostly ops that left): each free finds exactly the ops still in flight it overlaps."""
+    from hicache_obs.events.audit import _InUse, _spans
+
+    use = _InUse()
+    ends = {op: 1 + (op * 7) % 50 for op in range(200)}  # op uses slots [0, end)
+    for op, end in ends.items():
+        use.add(op, _spans(((0, end),)))
+    # the longest first (each leaving changes the leaf's largest end), then every other one
+    order = sorted(ends, key=lambda op: (-ends[op], op))
+    left = set(ends)
+    for i, op in enumerate(order[:150]):
+        use.remove(op)
+        left.discard(op)
+        if i % 10 == 0:
+            for slot in (0, 10, 30, 49):
+                assert use.hits(((slot, 1),)) == [o for o in ends if o in left and ends[o] > slot], (i, slot)
+    assert len(use._ends[0]) <= 2 * len(left) + 8  # the stale entries were dropped
+    # ops come and go beside one long-lived op: the heap stays bounded
+    use.add(1000, _spans(((0, 64),)))
+    for op in range(2000, 2400):
+        use.add(op, _spans(((0, 2),)))
+        use.remove(op)
+    assert len(use._ends[0]) <= 2 * (len(left) + 1) + 8
+    assert use.hits(((63, 1),)) == [1000]

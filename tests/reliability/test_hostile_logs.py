@@ -10,7 +10,7 @@ quadratic time, and special files named like segments.
 - caps: more than ``MAX_POOLS`` slot tables, more than ``MAX_TOTAL_CAPACITY`` slots, a
   capacity over ``MAX_CAPACITY``: exit 2 and one line naming the value and the cap.
 - time: logs that cost O(n) per event before (merges of ops never queued, completions in
-  reverse order, frees beside many ops in flight) are timed at n and 2n events, side by
+  reverse order, of ops on distinct or on the same slots, frees beside many ops in flight) are timed at n and 2n events, side by
   side, median of three: doubling may at most a little more than double the time.
 - special files: a FIFO, a symlink to ``/dev/zero``, a folder named like a segment: exit
   2, refused before anything is read (a FIFO used to hang the audit).
@@ -229,11 +229,13 @@ def test_a_symlink_to_a_regular_segment_is_read(tmp_path, capsys) -> None:
 
 
 # ------------------------------------------------------------------------ time
-def _ref(op: int, slot: int) -> TensorRef:
-    return TensorRef(pool="kv", role="host", device="cpu", numel=1, dtype="int64", ptr=8, indices=((slot, 1),))
+def _ref(op: int, slot: int, length: int = 1) -> TensorRef:
+    return TensorRef(
+        pool="kv", role="host", device="cpu", numel=length, dtype="int64", ptr=8, indices=((slot, length),)
+    )
 
 
-def _submitted(log: _Log, op: int, slot: int) -> None:
+def _submitted(log: _Log, op: int, slot: int, length: int = 1) -> None:
     log.add(
         TransferSubmitted,
         op=op,
@@ -241,9 +243,9 @@ def _submitted(log: _Log, op: int, slot: int) -> None:
         stream="hicache-write",
         io_backend="direct",
         layout="layer_first",
-        tensors=(_ref(op, slot),),
-        slots_by_pool=(("kv", 1),),
-        bytes_by_pool=(("kv", 8),),
+        tensors=(_ref(op, slot, length),),
+        slots_by_pool=(("kv", length),),
+        bytes_by_pool=(("kv", 8 * length),),
         device="cpu",
     )
 
@@ -265,6 +267,19 @@ def _completions_in_reverse(n: int) -> list[Any]:
     log.add(SlotsAllocated, pool="kv", tier="host", indices=((0, 2 * n),))
     for op in range(n):
         _submitted(log, op, op)
+    for op in reversed(range(n)):
+        log.add(TransferCompleted, op=op, direction="d2h", duration_ns=1)
+    return log.events
+
+
+def _overlapping_completions_in_reverse(n: int) -> list[Any]:
+    """Every op in flight on the same sixteen slots, completed last first: each completion
+    leaves a run start that every other op in flight shares."""
+    log = _Log()
+    _pool(log, 32, "host")
+    log.add(SlotsAllocated, pool="kv", tier="host", indices=((0, 32),))
+    for op in range(n):
+        _submitted(log, op, 0, 16)
     for op in reversed(range(n)):
         log.add(TransferCompleted, op=op, direction="d2h", duration_ns=1)
     return log.events
@@ -326,9 +341,15 @@ def _ratio(build: Any, run: Any, n: int) -> tuple[float, list[float]]:
     [
         (_merges_of_unknown_ops, lambda st, n: not st.queues["d2h"] and len(st.ops) == 2 * n),
         (_completions_in_reverse, lambda st, n: not st.acks["d2h"] and st.completed["d2h"] == n),
+        (_overlapping_completions_in_reverse, lambda st, n: not st.acks["d2h"] and st.completed["d2h"] == n),
         (_frees_beside_many_in_flight, lambda st, n: len(st.acks["d2h"]) == n),
     ],
-    ids=["merges-of-unknown-ops", "completions-in-reverse", "frees-beside-many-in-flight"],
+    ids=[
+        "merges-of-unknown-ops",
+        "completions-in-reverse",
+        "overlapping-completions-in-reverse",
+        "frees-beside-many-in-flight",
+    ],
 )
 @pytest.mark.parametrize("run", [_audit_fold, _audit_live], ids=["replay-audit", "audit"])
 def test_doubling_an_adversarial_log_at_most_a_little_more_than_doubles_its_time(build, check, run) -> None:
