@@ -391,10 +391,17 @@ CONFIGS = (
     "events_metrics_inline_audit",
     "events_metrics_inprocess",
 )
+#: The configurations measured in every profile: (a), (b) and (c).
+PROFILE_CONFIGS = ("events_metrics", "with_otel", "with_durable_log")
+#: The profiles the overhead section measures besides ``audit`` (the section's own figures),
+#: ``sampling`` at :data:`~hicache_obs.profiles.DEFAULT_AUDIT_SAMPLE`.
+OVERHEAD_PROFILES = ("metrics", "sampling")
 
 
-def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any, Callable[[], None]]:
-    """A demo-workload controller with the observability of ``config`` attached.
+def _observed_controller(
+    config: str, runtime: str, out_dir: Path, profile: str = "audit"
+) -> tuple[Any, Callable[[], None]]:
+    """A demo-workload controller with the observability of ``config`` attached, in ``profile``.
 
     The three targets run the auditor and the sinks in a sink host process (the
     controller's process only encodes batches). For comparison,
@@ -434,7 +441,9 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
 
     spec = ModelSpec.tiny_hybrid()
     detail = "bookkeeping" if config == "bare" else "full"
-    c = make_controller(spec, log=log, runtime=runtime, event_detail=detail, **controller_options(spec))
+    c = make_controller(
+        spec, log=log, runtime=runtime, event_detail=detail, profile=profile, **controller_options(spec)
+    )
 
     def close() -> None:
         c.close()
@@ -447,7 +456,18 @@ def _observed_controller(config: str, runtime: str, out_dir: Path) -> tuple[Any,
     return c, close
 
 
-def bench_overhead(steps: int = 150, rounds: int = 5, runtimes: tuple[str, ...] = ("sim", "cpu")) -> dict[str, Any]:
+def bench_overhead(
+    steps: int = 150,
+    rounds: int = 5,
+    runtimes: tuple[str, ...] = ("sim", "cpu"),
+    profiles: tuple[str, ...] = OVERHEAD_PROFILES,
+) -> dict[str, Any]:
+    """The demo workload on our controller, observed in each configuration vs bare.
+
+    The section's figures (``events_metrics_ratio`` = (a), ``with_otel_ratio`` = (b),
+    ``with_durable_log_ratio`` = (c), ``per_op_overhead_us``) are the ``audit`` profile's;
+    ``profiles`` holds (a), (b), (c) and the per-op cost of every profile, ``audit`` and each
+    of ``profiles``, measured in the same rounds."""
     from .workload import Workload
 
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-"))
@@ -455,9 +475,11 @@ def bench_overhead(steps: int = 150, rounds: int = 5, runtimes: tuple[str, ...] 
     ops = [0]
 
     def make(config: str, runtime: str) -> Callable[[], float]:
+        cfg, _, profile = config.partition("@")
+
         def run() -> float:
             counter[0] += 1
-            c, close = _observed_controller(config, runtime, tmp / str(counter[0]))
+            c, close = _observed_controller(cfg, runtime, tmp / str(counter[0]), profile or "audit")
             w = Workload(c, seed=7)
 
             def go() -> None:
@@ -470,29 +492,46 @@ def bench_overhead(steps: int = 150, rounds: int = 5, runtimes: tuple[str, ...] 
 
         return run
 
+    for name in profiles:
+        if name not in OVERHEAD_PROFILES:
+            raise ValueError(f"bench_overhead: profile {name!r} is not one of {', '.join(OVERHEAD_PROFILES)}")
+    configs = list(CONFIGS) + [f"{cfg}@{name}" for name in profiles for cfg in PROFILE_CONFIGS]
     out: dict[str, Any] = {"steps": steps, "runtimes": list(runtimes)}
     per_runtime: dict[str, Any] = {}
-    all_ratios: dict[str, list[float]] = {k: [] for k in CONFIGS[1:]}
-    per_op: list[float] = []
+    all_ratios: dict[str, list[float]] = {k: [] for k in configs[1:]}
+    per_op: dict[str, list[float]] = {name: [] for name in ("audit", *profiles)}
     for rt in runtimes:
-        fns = {cfg: make(cfg, rt) for cfg in CONFIGS}
+        fns = {cfg: make(cfg, rt) for cfg in configs}
         fns["bare"]()  # warm up
         got = interleave(fns, rounds)
         res: dict[str, Any] = {"ops": ops[0], "bare_s": statistics.median(got["bare"])}
-        for cfg in CONFIGS[1:]:
+        for cfg in configs[1:]:
             r = ratio_of_times(got[cfg], got["bare"])
             res[f"{cfg}_ratio"] = r.median
             res[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
             all_ratios[cfg].extend(o / b for o, b in zip(got[cfg], got["bare"]))
-        diff = [(a - b) / max(1, ops[0]) * 1e6 for a, b in zip(got["events_metrics"], got["bare"])]
-        res["per_op_overhead_us"] = statistics.median(diff)
-        per_op.extend(diff)
+        for name in per_op:
+            a_cfg = "events_metrics" if name == "audit" else f"events_metrics@{name}"
+            diff = [(a - b) / max(1, ops[0]) * 1e6 for a, b in zip(got[a_cfg], got["bare"])]
+            per_op[name].extend(diff)
+            if name == "audit":
+                res["per_op_overhead_us"] = statistics.median(diff)
         per_runtime[rt] = res
-    for cfg in CONFIGS[1:]:
+    by_profile: dict[str, dict[str, Any]] = {name: {} for name in per_op}
+    for cfg in configs[1:]:
         r = _ratio(all_ratios[cfg])
-        out[f"{cfg}_ratio"] = r.median
-        out[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
-    out["per_op_overhead_us"] = statistics.median(per_op)
+        base, _, name = cfg.partition("@")
+        if not name:
+            out[f"{cfg}_ratio"] = r.median
+            out[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
+            if base not in PROFILE_CONFIGS:
+                continue
+        by_profile[name or "audit"][f"{base}_ratio"] = r.median
+        by_profile[name or "audit"][f"{base}_ratio_spread"] = [r.lo, r.hi]
+    for name, diffs in per_op.items():
+        by_profile[name]["per_op_overhead_us"] = statistics.median(diffs)
+    out["per_op_overhead_us"] = by_profile["audit"]["per_op_overhead_us"]
+    out["profiles"] = by_profile
     out["by_runtime"] = per_runtime
     import shutil
 

@@ -116,6 +116,8 @@ def _table(result: dict[str, Any]) -> None:
     ov = result.get("overhead")
     if ov:
         console.print(f"per-operation overhead (events + audit + metrics + logs): {ov['per_op_overhead_us']:.1f} us")
+        if isinstance(ov.get("profiles"), dict):
+            console.print(_overhead_profiles_line(ov["profiles"]), markup=False, highlight=False, soft_wrap=True)
     sg = result.get("sglang")
     if sg:
         console.print(_sglang_line(sg), markup=False, highlight=False, soft_wrap=True)
@@ -128,6 +130,15 @@ def _table(result: dict[str, Any]) -> None:
             f"({ev['replay_retained_vs_floor']:.2f}x the floor; the target row folds as it reads, as "
             "`hicache-obs audit` does)"
         )
+
+
+def _overhead_profiles_line(pr: dict[str, dict[str, Any]]) -> str:
+    """The overhead section per profile of our controller in one line: (a) / (b) / (c), us an op."""
+    parts = []
+    for name, got in pr.items():
+        ratios = " / ".join(f"{got[f'{k}_ratio']:.3f}" for k in ("events_metrics", "with_otel", "with_durable_log"))
+        parts.append(f"{name} {ratios}, {got['per_op_overhead_us']:+.0f} us an op")
+    return "overhead (a) / (b) / (c) by profile: " + "; ".join(parts)
 
 
 def _profiles_line(pr: dict[str, Any]) -> str:

@@ -35,8 +35,9 @@ import torch
 
 from ..errors import ConfigError, ControllerClosedError, HiCacheError, UnknownPoolError
 from ..events.log import EventLog
-from ..events.schema import D2H, H2D, OperationQueued, OperationsMerged
+from ..events.schema import D2H, H2D, OperationQueued, OperationsMerged, PoolsSampled
 from ..events.state import CacheState
+from ..profiles import Profile, Sampler, resolve_profile
 from .acks import Ack, Given, InFlightCopy, reap
 from .admission import Admission
 from .allocation import PoolAllocations
@@ -87,6 +88,8 @@ class HiCacheController:
         rank: int = 0,
         enable_timing: bool = True,
         event_detail: str = "full",
+        profile: str | Profile = "audit",
+        audit_sample: float | None = None,
     ) -> None:
         check_options(
             spec,
@@ -108,6 +111,11 @@ class HiCacheController:
         )
         if event_detail not in EVENT_DETAILS:
             raise ConfigError(f"event_detail must be one of {', '.join(EVENT_DETAILS)}, got {event_detail!r}")
+        #: how much evidence the events carry (:mod:`hicache_obs.profiles`): ``audit`` reads the
+        #: slot values of every op's index tensors, ``metrics`` none, ``sampling`` those of a share
+        self.profile = resolve_profile(profile, audit_sample)
+        self._sampler = None if self.profile.full else Sampler(self.profile.audit_sample)
+        self._values_of = (-2, False)  # (op, whether its tensors carry their values)
         self._owns_log = log is None
         self.log = log if log is not None else EventLog(rank=rank)
         self.log.bind_owner(self)  # one open controller per log (a ConfigError otherwise)
@@ -120,9 +128,9 @@ class HiCacheController:
         self.event_detail = event_detail
         self._detail = event_detail == "full"
         #: the index normalisation; its ``expected`` is the move the runtime reports next
-        self._moves = IndexNormaliser(self.runtime, io_backend, layout, read_runs=self._detail)
+        self._moves = IndexNormaliser(self.runtime, io_backend, layout, read_runs=self._detail, values=self._values)
         #: the runtime's reports of this controller's stream records and index moves
-        self._reports = RuntimeReports(self.runtime, self.log, self._moves)
+        self._reports = RuntimeReports(self.runtime, self.log, self._moves, self._values)
         observers = getattr(self.runtime, "observers", None)
         if observers is None:
             raise ConfigError(
@@ -151,6 +159,8 @@ class HiCacheController:
             emit=self._emit,
             table=self.state.table,
         )
+        if not self.profile.full:  # the share audited in full, for dashboards (hicache_audit_sample_ratio)
+            self._emit(PoolsSampled, pools=(), audit_sample=self.profile.audit_sample)
         self.write_stream = self.runtime.stream("hicache-write")
         self.load_stream = self.runtime.stream("hicache-load")
         self.layer_done_counter = LayerDoneCounter(self.runtime, spec.num_layers, enable_timing=enable_timing)
@@ -169,6 +179,25 @@ class HiCacheController:
     def _fold(self, ev: Any) -> None:
         if ev.seq > self.state.last_seq:  # not folded by _emit already
             self.state.apply(ev)
+
+    def _values(self, op: int) -> bool:
+        """Whether ``op``'s tensor descriptions carry their slot values: always under ``audit``,
+        never under ``metrics``; under ``sampling`` the sampler decides once per op (its index
+        moves come first, then its submission and stream records, under the controller's lock)."""
+        if self._sampler is None:
+            return True
+        last, taken = self._values_of
+        if op != last or op < 0:
+            taken = self._sampler.take()
+            self._values_of = (op, taken)
+        return taken
+
+    @property
+    def sampled(self) -> tuple[int, int]:
+        """(ops whose tensors carried their values, ops seen) under ``metrics`` and ``sampling``;
+        (0, 0) under ``audit``, which reads every op's."""
+        s = self._sampler
+        return (0, 0) if s is None else (s.taken, s.seen)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -369,7 +398,7 @@ class HiCacheController:
             pairs = index_pairs(op, rt)
             slots = slots_by_pool(op)
             sizes = bytes_by_pool(self.spec, slots)
-            refs = submission_refs(rt, op, pairs) if self._detail else []
+            refs = submission_refs(rt, op, pairs, values=self._values(op.id)) if self._detail else []
             start = rt.event(self.enable_timing)
             start.record()  # after the index moves: the side stream is ordered after them
             finish = rt.event(self.enable_timing)

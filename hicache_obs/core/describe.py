@@ -56,14 +56,14 @@ def describe(runtime: Runtime, t: torch.Tensor, pool: str, role: str, runs: Any 
     )
 
 
-def submission_refs(runtime: Runtime, op: CacheOperation, pairs: Any) -> list[TensorRef]:
+def submission_refs(runtime: Runtime, op: CacheOperation, pairs: Any, *, values: bool = True) -> list[TensorRef]:
     """The tensors of a submission (``pairs``: its ``IndexPair`` list), host then device per
-    pool; run lists taken from the pairs' runs when known."""
+    pool; run lists taken from the pairs' runs when known; ``values=False``: metadata only."""
     aliased = {t.pool for t in op.pool_transfers or () if t.indices_from_pool is not None}
     refs = []
     for p in pairs:
         pool, h, d, pr = p.pool, p.host, p.device, p.runs
-        if pool in aliased:  # a pool that reuses another pool's indices does not own those slots
+        if pool in aliased or not values:  # a pool that reuses another pool's indices does not own those slots
             refs.append(describe(runtime, h, pool, "host", ()))
             refs.append(describe(runtime, d, pool, "device", ()))
         elif pr is not None:

@@ -49,17 +49,27 @@ class IndexNormaliser:
     """Normalises index pairs for one controller's io backend and host layout.
 
     ``read_runs``: read the runs of host indices before they move to the device (for the
-    ``IndicesMoved`` report; off when the controller reports no index moves).
+    ``IndicesMoved`` report; off when the controller reports no index moves); ``values(op)``:
+    whether that op's reports carry slot values (its profile), when ``read_runs``.
     ``expected`` is the move in progress, for the runtime's report of it; None between moves.
     """
 
-    __slots__ = ("runtime", "io_backend", "layout", "read_runs", "expected")
+    __slots__ = ("runtime", "io_backend", "layout", "read_runs", "values", "expected")
 
-    def __init__(self, runtime: Runtime, io_backend: str, layout: str, *, read_runs: bool) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        io_backend: str,
+        layout: str,
+        *,
+        read_runs: bool,
+        values: Callable[[int], bool] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.io_backend = io_backend
         self.layout = layout
         self.read_runs = read_runs
+        self.values = values
         self.expected: Expected | None = None
 
     def normalise(
@@ -74,7 +84,8 @@ class IndexNormaliser:
             )
         if self.io_backend == "kernel":
             if rt.has_device and not rt.is_device(host_indices):
-                known = runs_of(host_indices.numpy()) if self.read_runs else None
+                read = self.read_runs and (self.values is None or self.values(op))
+                known = runs_of(host_indices.numpy()) if read else None
                 host_indices = self._move(host_indices, op, pool, "host", known, to_device=True)
             return host_indices, device_indices
         if self.io_backend == "direct":

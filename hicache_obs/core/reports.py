@@ -12,6 +12,7 @@ submission in progress made of the same tensor (``refs``), else describes it ane
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,14 +31,18 @@ class RuntimeReports:
 
     ``recorded`` and ``moved`` are the observer callbacks (``observers.add(record=, move=)``).
     ``refs``: (id(tensor), pool, role) -> the ``TensorRef`` the submission in progress
-    described; valid only during that submission (keyed by ``id()``)."""
+    described; valid only during that submission (keyed by ``id()``). ``values(op)``: whether
+    that op's descriptions carry slot values (the controller's profile; default: always)."""
 
-    __slots__ = ("runtime", "log", "moves", "expected", "refs")
+    __slots__ = ("runtime", "log", "moves", "values", "expected", "refs")
 
-    def __init__(self, runtime: Runtime, log: EventLog, moves: IndexNormaliser) -> None:
+    def __init__(
+        self, runtime: Runtime, log: EventLog, moves: IndexNormaliser, values: Callable[[int], bool] | None = None
+    ) -> None:
         self.runtime = runtime
         self.log = log
         self.moves = moves
+        self.values = values
         self.expected: Expected | None = None  # the stream record the runtime reports next
         self.refs: dict[tuple[int, str, str], TensorRef] = {}
 
@@ -59,7 +64,7 @@ class RuntimeReports:
             return  # another controller's record, on a shared runtime
         op, pool, role, t = exp.op, exp.pool, exp.role, exp.tensor
         # the submission just described this tensor (the same pool and role)
-        ref = self.refs.get((id(t), pool, role)) or describe(self.runtime, t, pool, role)
+        ref = self.refs.get((id(t), pool, role)) or describe(self.runtime, t, pool, role, self._runs(op))
         self.log.emit(
             StreamRecorded, op=op, pool=pool, role=role, stream=getattr(stream, "name", str(stream)), tensor=ref
         )
@@ -78,5 +83,10 @@ class RuntimeReports:
             role=role,
             src_device=self.runtime.tensor_device(src),
             dst_device=self.runtime.tensor_device(dst),
-            tensor=describe(self.runtime, dst, pool, role, known),
+            tensor=describe(self.runtime, dst, pool, role, known if known is not None else self._runs(op)),
         )
+
+    def _runs(self, op: int) -> Any:
+        """``describe``'s ``runs`` for ``op``: None (read them) where its reports carry values, else
+        ``()`` (none)."""
+        return None if self.values is None or self.values(op) else ()

@@ -50,3 +50,24 @@ def test_events_section_reports_both_replays_against_the_floor(capsys: pytest.Ca
     assert out["replay_retained_vs_floor"] == pytest.approx(out["replay_audit_retained_per_s"] / out["replay_floor_per_s"])
     _table({"machine": {"cores": 2, "torch": "t", "python": "p"}, "targets": [], "events": out})
     assert "replay + audit keeping every event in memory" in capsys.readouterr().out
+
+
+def test_overhead_section_measures_every_profile_of_our_controller() -> None:
+    from hicache_obs.bench import bench_overhead
+    from hicache_obs.cli.bench import _overhead_profiles_line
+
+    out = bench_overhead(steps=20, rounds=1, runtimes=("sim",))
+    assert set(out["profiles"]) == {"audit", "metrics", "sampling"}
+    for name, got in out["profiles"].items():
+        for cfg in ("events_metrics", "with_otel", "with_durable_log"):
+            lo, hi = got[f"{cfg}_ratio_spread"]
+            assert 0 < lo <= got[f"{cfg}_ratio"] <= hi < 100, (name, cfg)
+    audit = out["profiles"]["audit"]  # the section's own figures are the audit profile's
+    assert audit["events_metrics_ratio"] == out["events_metrics_ratio"]
+    assert audit["per_op_overhead_us"] == out["per_op_overhead_us"]
+    assert set(out["by_runtime"]["sim"]) >= {"events_metrics@metrics_ratio", "with_durable_log@sampling_ratio"}
+    line = _overhead_profiles_line(out["profiles"])
+    assert line.startswith("overhead (a) / (b) / (c) by profile: audit ")
+    assert "; metrics " in line and "; sampling " in line and line.count(" us an op") == 3
+    with pytest.raises(ValueError, match="profile 'audit' is not one of metrics, sampling"):
+        bench_overhead(steps=1, rounds=1, runtimes=("sim",), profiles=("audit",))
