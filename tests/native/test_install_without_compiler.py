@@ -97,3 +97,41 @@ def test_the_pure_install_runs_the_demo(pure_install: tuple[Path, Path, dict[str
     summary = json.loads(proc.stdout)
     assert summary["data_intact"] is True
     assert summary["events"] > 0
+
+
+def test_the_wheel_builds_without_a_warning_and_carries_its_license_and_types(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    for rel in _tracked_files():
+        dst = src / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dst)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_OBS_")}
+    env.update(CC="false", CXX="false", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), "."],
+        cwd=src,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    said = (proc.stdout + proc.stderr).splitlines()
+    # setuptools' own warnings (a deprecated field, a folder shipped as data); not pip's or the
+    # compiler's (CC=false: the extensions fall back to their pure versions, as they should)
+    warned = [line for line in said if "BuildBackendWarning" in line or "SetuptoolsDeprecationWarning" in line]
+    assert warned == [], "\n".join(warned)
+    import zipfile
+
+    (wheel,) = (tmp_path / "w").glob("hicache_obs-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {
+        "hicache_obs/py.typed",
+        "hicache_obs/_logcore.pyi",
+        "hicache_obs/integrations/sglang/_boot/sitecustomize.py",
+        "hicache_obs/integrations/sglang/_cpu_boot/sitecustomize.py",
+    } <= names
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert b"Apache License" in zipfile.ZipFile(wheel).read(license_file)
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata
