@@ -126,6 +126,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "SPAN_ATTRIBUTES", "INSTRUMENTATION_NAME", "OtelSpanSink", "make_tracer_provider", "span_attributes",
         "otlp_json",
     ),
+    "hicache_obs.exporters.metrics_server": ("MetricsServer", "start_metrics_server", "stop_metrics_server"),
     "hicache_obs.exporters.prometheus": (
         "DEFAULT_POOLS", "DEFAULT_DURATION_BUCKETS", "DEFAULT_QUEUE_WAIT_BUCKETS", "PrometheusSink",
         "SinkStatsCollector", "MetricsServer", "start_metrics_server", "stop_metrics_server",

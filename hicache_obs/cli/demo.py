@@ -635,7 +635,8 @@ def _prepare_out(out: Path, glob: str) -> None:
 def _start_metrics(log: Any, port: int) -> tuple[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+    from hicache_obs.exporters.metrics_server import start_metrics_server
+    from hicache_obs.exporters.prometheus import PrometheusSink
 
     registry = CollectorRegistry()
     log.add_sink(PrometheusSink(registry, log=log))

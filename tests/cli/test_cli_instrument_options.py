@@ -59,7 +59,7 @@ class _Rank:
 
 @pytest.fixture
 def binds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    from hicache_obs.exporters import prometheus
+    from hicache_obs.exporters import metrics_server
 
     seen: list[tuple[str, int]] = []
 
@@ -67,7 +67,7 @@ def binds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
         seen.append((addr, port))
         return object(), port
 
-    monkeypatch.setattr(prometheus, "start_metrics_server", start)
+    monkeypatch.setattr(metrics_server, "start_metrics_server", start)
     monkeypatch.setattr(launcher, "_served_ports", set())
     monkeypatch.setenv("HICACHE_OBS_METRICS_PORT", "9400")
     return seen

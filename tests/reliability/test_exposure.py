@@ -29,7 +29,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from hicache_obs.cli import main
-from hicache_obs.exporters.prometheus import start_metrics_server
+from hicache_obs.exporters.metrics_server import start_metrics_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = [ROOT / "hicache_obs", ROOT / "exporters"]

@@ -122,7 +122,8 @@ class _Pipeline:
             _served_ports.add(port)
         from prometheus_client import CollectorRegistry
 
-        from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+        from hicache_obs.exporters.metrics_server import start_metrics_server
+        from hicache_obs.exporters.prometheus import PrometheusSink
 
         host = os.environ.get(ENV["metrics_host"]) or "127.0.0.1"
         try:
