@@ -48,11 +48,8 @@
  *
  * An optional accelerator (hicache_obs/_native.py) of its pure twin
  * hicache_obs/events/_logcore_py.py (tests/native/test_differential_logcore.py), needed for
- * events.append_per_s: with this core emit ran at 3.6 / 3.9 times its floor loop, with the
- * twin (HICACHE_OBS_NO_EXTENSIONS=logcore) at 0.94 / 0.80, two alternating runs each of
- * `hicache-obs bench --section events --json` on 2026-12-01, this project's 2-core CPU
- * machine under load from other jobs (absolute rates there: 425k / 398k a second
- * against 117k / 194k).
+ * the bench's events.append_per_s target (the pure twin, HICACHE_OBS_NO_EXTENSIONS=logcore,
+ * does not reach it; `hicache-obs bench --section events` measures both).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

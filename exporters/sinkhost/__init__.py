@@ -8,11 +8,10 @@ decodes the batches and feeds its sinks in log order.
 
 :func:`add_sink_host` feeds it with a :class:`HostFeeder`: the log hands the feeder
 every ``batch`` events (256) from the producer's own thread (``EventLog.attach_feeder``),
-which msgpack-encodes them (about 0.3 us per event) and writes what the pipe takes
+which msgpack-encodes them and writes what the pipe takes
 without waiting; the rest waits in a bounded queue (policy ``drop`` or ``block``, every
-event counted). A worker thread costs the controller a GIL hand-over each time it
-wakes up (on the bench workload, 2-3 ms a run: about what the encoding costs), and
-leaves up to an interval's worth of events for the child to handle at close. The feeder's watcher
+event counted). A worker thread would cost the controller a GIL hand-over each time it
+wakes up, and leave up to an interval's worth of events for the child to handle at close. The feeder's watcher
 thread sleeps without the GIL and acts only when the producer went idle with events
 waiting (after ``interval``, 50 ms) or when queued frames fit into the pipe again.
 ``log.add_sink(host)`` still works: a :class:`~hicache_obs.events.sinks.SinkRunner`
@@ -22,9 +21,7 @@ While batches come the child does not wait on the pipe: it reads what the pipe h
 millisecond, backing off to every 16 ms while none come, and at once when the parent
 writes a byte to its wake descriptor (fd 4: after a flush or close request, or when the
 pipe is full). A child asleep in a read of the pipe would be woken by each batch, and the
-producer's write pays for that wake-up: on this project's 2-core virtual machine a
-256-event hand-off cost about 190 us with it and 135-140 us without (``take`` timed in
-the SGLang bench workload). After a quarter second with no batch the child sleeps on the
+producer's write would pay for that wake-up. After a quarter second with no batch the child sleeps on the
 pipe as well, so an idle host costs no CPU time and only the first batch after a pause
 wakes it.
 

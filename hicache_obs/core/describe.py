@@ -40,7 +40,7 @@ def describe(runtime: Runtime, t: torch.Tensor, pool: str, role: str, runs: Any 
         numel = t.numel()
         dtype = t.dtype
         ptr = t.data_ptr() if numel else 0
-    else:  # metadata only: skip a subclass's __torch_function__ (the sim runtime's costs ~6 us a call)
+    else:  # metadata only: skip a subclass's __torch_function__ (the sim runtime's is slow)
         with plain_tensor_calls():
             numel = t.numel()
             dtype = t.dtype

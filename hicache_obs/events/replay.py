@@ -425,7 +425,7 @@ def _merge(by_rank: dict[int, list[Event]]) -> list[Event]:
 
 #: Bytes of a log decoded at a time when its events are folded as they are read
 #: (``keep_events=False``): a block's events are folded and freed while the CPU's caches
-#: still hold them (256 KiB: 1.25x the events per second of 8 MiB blocks, on a 2-core x86).
+#: still hold them (a larger block is slower: it leaves them).
 STREAM_BLOCK_BYTES = 256 << 10
 
 

@@ -1,4 +1,4 @@
-"""The rooms the controller facade hands its work to, each exercised on its own: the FIFO
+"""The parts the controller facade hands its work to, each exercised on its own: the FIFO
 reaper (``acks.reap``), the one builder of ``TransferSubmitted`` (``submission.Submissions``)
 and the ending of every op at close (``closing.end_every_op``); each result is checked
 against the events it emits and, on a real controller, against the fold of its log."""
