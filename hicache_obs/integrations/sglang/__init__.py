@@ -13,5 +13,5 @@ from .adapter import Instrumentation, instrument, instrumentation_of
 
 __all__ = ["Instrumentation", "IntegrationError", "instrument", "instrumentation_of", "SUPPORTED_RELEASES"]
 
-#: The SGLang releases the tests run on (the adapter detects features, not versions).
-SUPPORTED_RELEASES = ("0.5.10", "0.5.11", "0.5.23")
+#: The SGLang releases the tests pin and run on (the adapter detects features, not versions).
+SUPPORTED_RELEASES = ("0.5.10", "0.5.11", "0.5.12", "0.5.13", "0.5.23")
