@@ -70,6 +70,10 @@ class ServerFailed(HiCacheError, RuntimeError):
     """The server did not come up, or died; the message names the stage and ends with its log tail."""
 
 
+class _PortTaken(Exception):
+    """The server could not bind its HTTP port: another process took it first."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -291,10 +295,35 @@ class SGLangServer:
             front += ["--otlp-endpoint", self.otlp_endpoint]
         return [*front, "--", *server]
 
+    #: How many ports :meth:`start` tries when another process took the one it picked.
+    PORT_TRIES = 3
+
     def start(self) -> SGLangServer:
+        """Start the server and wait until ``/health`` answers. A port :func:`free_port` picked
+        can be taken by another process before the server binds it (SGLang's own processes pick
+        ports too): that start is stopped and the next port tried, :data:`PORT_TRIES` in all.
+        A port the caller gave is not replaced: that is a :class:`ServerFailed`."""
         if self.process is not None:
             raise ServerFailed("start: this server was started already")
-        self.port = self.port or free_port()
+        given = bool(self.port)
+        for attempt in range(1, self.PORT_TRIES + 1):
+            self.port = self.port or free_port()
+            self._launch()
+            try:
+                self._wait_ready()
+                return self
+            except _PortTaken:
+                self.stop()
+                self.process = None
+                if given or attempt == self.PORT_TRIES:
+                    raise ServerFailed(
+                        f"start ({self.config.label()}): port {self.port} was taken before the server bound it"
+                        f"{'' if given else f' ({attempt} ports tried)'}{self.log_tail()}"
+                    ) from None
+                self.port = 0
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _launch(self) -> None:
         env = cpu_server.server_environment()
         env[cpu_server.STATE_ENV] = str(self.state_dir)
         shutil.rmtree(self.state_dir, ignore_errors=True)  # no request or answer of an earlier server
@@ -312,12 +341,21 @@ class SGLangServer:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True,
             )  # fmt: skip
-        self._wait_ready()
-        return self
+
+    def _port_taken(self) -> bool:
+        """Whether the server's log says its HTTP port was in use when it tried to bind it (then
+        whatever holds the port may accept ``/health`` and never answer)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+        return f"error while attempting to bind on address ('127.0.0.1', {self.port})" in text
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
+            if self._port_taken():
+                raise _PortTaken(self.port)
             code = self.process.poll() if self.process else None
             if code is not None:
                 raise ServerFailed(f"start ({self.config.label()}): the server exited with {code}{self.log_tail()}")
