@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from prometheus_client import generate_latest
+from metric_shapes import series_shapes
 
 from hicache_obs.core import HybridCacheController, ModelSpec
 from hicache_obs.errors import ConfigError
@@ -75,17 +75,7 @@ def test_each_profile_keeps_every_metric_of_audit(runs: dict[str, Any], profile:
 
 
 def test_switching_profile_never_changes_a_metric_name_or_label(runs: dict[str, Any]) -> None:
-    def shape(sink: PrometheusSink) -> set[tuple[str, tuple[str, ...]]]:
-        out = set()
-        for line in generate_latest(sink.registry).decode().splitlines():
-            if line.startswith("#") or not line:
-                continue
-            name, _, rest = line.partition("{")
-            labels = tuple(sorted(p.split("=")[0] for p in rest.rstrip("}0123456789.e+- ").split(",") if "=" in p))
-            out.add((name.split(" ")[0], labels))
-        return out
-
-    shapes = {p: shape(runs[p]["sink"]) for p in PROFILES}
+    shapes = {p: series_shapes(runs[p]["sink"].registry) for p in PROFILES}
     assert shapes["metrics"] == shapes["audit"] == shapes["sampling"]
 
 

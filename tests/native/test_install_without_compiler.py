@@ -32,16 +32,27 @@ def _tracked_files() -> list[str]:
     return [f for f in out.stdout.decode().split("\0") if f and (ROOT / f).is_file()]
 
 
-@pytest.fixture(scope="module")
-def pure_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str]]:
-    src = tmp_path_factory.mktemp("src")
+def _copy_tracked(src: Path) -> None:
+    """The repository's tracked files, copied to ``src`` (no built extension comes along)."""
     for rel in _tracked_files():
         dst = src / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dst)
-    target = tmp_path_factory.mktemp("installed")
+
+
+def _no_compiler_env() -> dict[str, str]:
+    """This environment without hicache-obs's variables, with no C compiler and no index."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_OBS_")}
     env.update(CC="false", CXX="false", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def pure_install(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, str]]:
+    src = tmp_path_factory.mktemp("src")
+    _copy_tracked(src)
+    target = tmp_path_factory.mktemp("installed")
+    env = _no_compiler_env()
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), "."],
         cwd=src,
@@ -101,12 +112,8 @@ def test_the_pure_install_runs_the_demo(pure_install: tuple[Path, Path, dict[str
 
 def test_the_wheel_builds_without_a_warning_and_carries_its_license_and_types(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    for rel in _tracked_files():
-        dst = src / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / rel, dst)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HICACHE_OBS_")}
-    env.update(CC="false", CXX="false", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    _copy_tracked(src)
+    env = _no_compiler_env()
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), "."],
         cwd=src,

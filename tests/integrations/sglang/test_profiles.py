@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from prometheus_client import generate_latest
+from metric_shapes import series_shapes
 from sglang_env import release_tuple
 
 from hicache_obs.core import ModelSpec
@@ -85,17 +85,7 @@ def test_each_profile_keeps_the_audit_profiles_metrics(runs: dict[str, Any], pro
 
 
 def test_switching_profile_never_changes_a_metric_name_or_label(runs: dict[str, Any]) -> None:
-    def shape(sink: PrometheusSink) -> set[tuple[str, tuple[str, ...]]]:
-        out = set()
-        for line in generate_latest(sink.registry).decode().splitlines():
-            if line.startswith("#") or not line:
-                continue
-            name, _, rest = line.partition("{")
-            labels = tuple(sorted(p.split("=")[0] for p in rest.rstrip("}0123456789.e+- ").split(",") if "=" in p))
-            out.add((name.split(" ")[0], labels))
-        return out
-
-    shapes = {p: shape(runs[p][2]) for p in PROFILES}
+    shapes = {p: series_shapes(runs[p][2].registry) for p in PROFILES}
     names = {p: {n for n, _ in s} for p, s in shapes.items()}
     assert names["metrics"] == names["audit"] == names["sampling"]
     assert {n for n in names["audit"] if n.startswith("hicache_")} >= {
