@@ -95,14 +95,14 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" $*
 	# import what the tests import, once: its bytecode is written now, and the stand-ins are proven
 	env -u PYTHONDONTWRITEBYTECODE $(SGLANG_DIR)/$*/bin/python -W ignore -c \
-	  'from hicache_obs.integrations.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
+	  'from hicache_obs.lab.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
 	touch $@
 
 # What SGLang's HTTP server needs on top of a release's set, for the real-server tests
 # (tests/integrations/sglang/test_real_server.py): $(SGLANG_REQS)/server-<release>.txt,
 # installed with --no-deps into that release's venv. In CI (CI=true) the real-server tests
 # fail rather than skip on these releases when it is missing. The import check below also
-# proves the CPU stand-ins (hicache_obs/integrations/sglang/cpu_server.py) load there.
+# proves the CPU stand-ins (hicache_obs/lab/sglang/cpu_server.py) load there.
 SGLANG_SERVER_RELEASES ?= 0.5.10 0.5.11 0.5.23
 
 sglang-server: $(foreach r,$(SGLANG_SERVER_RELEASES),$(SGLANG_DIR)/$(r)/.server-installed)
@@ -110,7 +110,7 @@ sglang-server: $(foreach r,$(SGLANG_SERVER_RELEASES),$(SGLANG_DIR)/$(r)/.server-
 $(SGLANG_DIR)/%/.server-installed: $(SGLANG_REQS)/server-%.txt $(SGLANG_DIR)/%/.installed
 	$(PIP) --python $(SGLANG_DIR)/$*/bin/python install -q --no-deps --only-binary=:all: $(SGLANG_PIP_ARGS) -r $<
 	env -u PYTHONDONTWRITEBYTECODE SGLANG_USE_CPU_ENGINE=1 HICACHE_OBS_SGLANG_CPU=1 \
-	  PYTHONPATH=hicache_obs/integrations/sglang/_cpu_boot $(SGLANG_DIR)/$*/bin/python -W ignore -c \
+	  PYTHONPATH=hicache_obs/lab/sglang/_cpu_boot $(SGLANG_DIR)/$*/bin/python -W ignore -c \
 	  'import sglang.srt.entrypoints.http_server, sglang.srt.models.llama, sglang.srt.models.lfm2, sglang.srt.models.nemotron_h; print("sglang server imports")'
 	touch $@
 
@@ -136,7 +136,7 @@ sglang-check: | $(STAMP)
 	  rel=$$($(SGLANG_DIR)/check-$(RELEASE)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
 	  echo "import site; site.addsitedir('$$main')" > "$$rel/$(SGLANG_PTH)"
 	$(SGLANG_DIR)/check-$(RELEASE)/bin/python -W ignore -c \
-	  'from hicache_obs.integrations.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
+	  'from hicache_obs.lab.sglang.testing import prepare; prepare(); import sglang.srt.managers.cache_controller'
 	HICACHE_REQUIRE_SGLANG=1 $(SGLANG_DIR)/check-$(RELEASE)/bin/python -m pytest -q -p no:cacheprovider \
 	  $(SGLANG_TESTS) --ignore=$(SGLANG_TESTS)/test_kernels.py $(PYTEST_ARGS)
 

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from hicache_obs.bench import bench_data_path, bench_overhead
+from hicache_obs.lab.bench import bench_data_path, bench_overhead
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ def main() -> int:
     import torch
 
     from hicache_obs.cli import main as cli
-    from hicache_obs.integrations.sglang.testing import kernel_sources, sglang_version
+    from hicache_obs.lab.sglang.testing import kernel_sources, sglang_version
 
     if not torch.cuda.is_available():
         print("sglang_gpu: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -61,7 +61,7 @@ def main() -> int:
         )
     print("kernels:", json.dumps(kernel_sources()))
     if args.bench:
-        from hicache_obs.bench import bench_sglang_here
+        from hicache_obs.lab.bench import bench_sglang_here
 
         try:
             b = bench_sglang_here(device="cuda")

@@ -4,9 +4,9 @@ Run by a Python that has SGLang (``make sglang``), on an otherwise idle machine:
 
     .sglang/0.5.23/bin/python benchmarks/sglang_parts.py [--rounds 100] > parts.json
 
-The ``sglang`` section's workload (``hicache_obs.bench.sglang_workload``, 16 nodes,
+The ``sglang`` section's workload (``hicache_obs.lab.bench.sglang_workload``, 16 nodes,
 batches of 8) on one real SGLang controller of the CPU harness, run bare, under the
-adapter, under the floor (:mod:`hicache_obs.integrations.sglang.floor`: the same hooks
+adapter, under the floor (:mod:`hicache_obs.lab.sglang.floor`: the same hooks
 emitting as many constant events, nothing read) and under the floor with the adapter's
 own hooks for one part of its evidence (``floor_with([part])``), each into an
 ``EventLog`` with no sinks. Every round runs each kind once, in a shuffled order; each
@@ -41,12 +41,12 @@ def main() -> int:
 
     import torch
 
-    from hicache_obs.bench import _sglang_plan, sglang_workload
     from hicache_obs.core.spec import ModelSpec
     from hicache_obs.events.log import EventLog
     from hicache_obs.integrations.sglang import Instrumentation
-    from hicache_obs.integrations.sglang.floor import PARTS, FloorInstrumentation, floor_with
-    from hicache_obs.integrations.sglang.testing import build_controller, sglang_version
+    from hicache_obs.lab.bench import _sglang_plan, sglang_workload
+    from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with
+    from hicache_obs.lab.sglang.testing import build_controller, sglang_version
 
     if sglang_version() is None:
         print(f"sglang_parts: SGLang is not installed in {sys.executable} (make sglang)", file=sys.stderr)

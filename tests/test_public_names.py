@@ -41,7 +41,7 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "PrometheusSink", "start_metrics_server", "stop_metrics_server", "OtelSpanSink", "otlp_json",
         "StructlogSink", "make_json_logger", "ChromeTraceSink", "write_chrome_trace",
     ),
-    "hicache_obs.bench": (
+    "hicache_obs.lab.bench": (
         "Ratio", "ratio_of_times", "ratio_of_rates", "interleave", "bench_events", "bench_data_path",
         "bench_overhead", "bench_sglang", "bench_sglang_here", "sglang_workload", "run_bench", "TARGETS",
     ),
@@ -50,8 +50,8 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "EXIT_TERMINATED",
     ),
     "hicache_obs.cli.audit": ("register", "run", "audit_report"),
-    "hicache_obs.cli.bench": ("register", "run"),
-    "hicache_obs.cli.demo": ("register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"),
+    "hicache_obs.lab.cli.bench": ("register", "run"),
+    "hicache_obs.lab.cli.demo": ("register", "run", "DEFAULT_STEPS", "DEFAULT_OUT"),
     "hicache_obs.cli.export": ("register", "run"),
     "hicache_obs.cli.inspect": ("register", "run", "op_views", "timeline"),
     "hicache_obs.cli.instrument": ("register", "run", "child_environment"),
@@ -139,11 +139,11 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
         "Instrumentation", "IntegrationError", "instrument", "instrumentation_of", "SUPPORTED_RELEASES",
     ),
     "hicache_obs.integrations.sglang.adapter": ("Instrumentation", "instrument", "instrumentation_of"),
-    "hicache_obs.integrations.sglang.engine": (
+    "hicache_obs.lab.sglang.engine": (
         "ENGINE_RUNTIME", "ENGINE_RUNTIMES", "ENGINE_MODELS", "SGLangEngine", "SGLangHybridEngine", "build_engine", "check_options",
         "default_layout", "require_sglang",
     ),
-    "hicache_obs.integrations.sglang.kernels": (
+    "hicache_obs.lab.sglang.kernels": (
         "KernelCheckError", "UnmappedAddressError", "Memory", "MEMORY", "register_buffers", "transfer_kv_per_layer",
         "transfer_kv_per_layer_pf_lf", "transfer_kv_per_layer_ph_lf", "transfer_kv_all_layer",
         "transfer_kv_all_layer_lf_pf", "transfer_kv_all_layer_lf_ph", "transfer_kv_per_layer_mla",
@@ -155,12 +155,12 @@ PUBLIC_NAMES: dict[str, tuple[str, ...]] = {
     "hicache_obs.integrations.sglang.launcher": (
         "ENV", "TARGETS", "install_import_hook", "instrument_new_controller", "pipelines",
     ),
-    "hicache_obs.integrations.sglang.testing": (
+    "hicache_obs.lab.sglang.testing": (
         "CudaStandIn", "SGLangHarness", "build_controller", "prepare", "sglang_version", "DEVICES",
         "SGL_KERNEL_IMPORTS", "kernel_sources",
     ),
-    "hicache_obs.testing": ("FAULTS", "Captured", "capture_events", "InMemorySink", "make_controller", "fault_class"),
-    "hicache_obs.workload": (
+    "hicache_obs.lab.testing": ("FAULTS", "Captured", "capture_events", "InMemorySink", "make_controller", "fault_class"),
+    "hicache_obs.lab.workload": (
         "WorkloadConfig", "WorkloadStats", "Corruption", "Workload", "controller_options", "run_workload",
     ),
 }  # fmt: skip
@@ -180,9 +180,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     ),
     "hicache_obs.core.spec.ModelSpec": ("tiny", "tiny_hybrid", "tiny_swa"),
     "hicache_obs.integrations.sglang.Instrumentation": ("detach", "__enter__", "__exit__"),
-    "hicache_obs.workload.Workload": ("run", "step", "finish"),
-    "hicache_obs.workload.WorkloadStats": ("data_intact", "hit_rate", "to_dict"),
-    "hicache_obs.workload.Corruption": ("to_dict",),
+    "hicache_obs.lab.workload.Workload": ("run", "step", "finish"),
+    "hicache_obs.lab.workload.WorkloadStats": ("data_intact", "hit_rate", "to_dict"),
+    "hicache_obs.lab.workload.Corruption": ("to_dict",),
 }  # fmt: skip
 
 #: Dataclass fields the API names (``module.Class``).
@@ -191,14 +191,14 @@ FIELDS: dict[str, tuple[str, ...]] = {
         "host_indices", "device_indices", "node_ids", "priority", "pool_transfers",
     ),
     "hicache_obs.core.operations.PoolTransfer": ("pool", "host_indices", "device_indices", "indices_from_pool"),
-    "hicache_obs.workload.WorkloadConfig": (
+    "hicache_obs.lab.workload.WorkloadConfig": (
         "documents", "chunks_per_document", "chunk_tokens", "suffix_tokens", "popularity",
     ),
-    "hicache_obs.workload.WorkloadStats": (
+    "hicache_obs.lab.workload.WorkloadStats": (
         "steps", "requests", "tokens", "nodes_created", "writes", "loads", "evictions", "truncated_requests",
         "checked_slots", "corruptions", "corrupted",
     ),
-    "hicache_obs.workload.Corruption": ("node", "pool", "direction", "op", "tier", "slots"),
+    "hicache_obs.lab.workload.Corruption": ("node", "pool", "direction", "op", "tier", "slots"),
 }  # fmt: skip
 
 HEADER = ("seq", "ts_ns", "rank")
@@ -313,7 +313,7 @@ def test_docs_name_what_this_guard_expects() -> None:
     names = {dotted for _, dotted in DOCUMENTED}
     # the parser reads both forms: an import line of a README example and a dotted name in prose
     assert "hicache_obs.exporters.sinkhost.add_sink_host" in names
-    assert "hicache_obs.testing.FAULTS" in names
+    assert "hicache_obs.lab.testing.FAULTS" in names
     assert len(names) >= 20, sorted(names)
 
 
@@ -323,9 +323,9 @@ def test_documented_name_imports_from_the_documented_path(doc: str, dotted: str)
 
 
 def test_resolve_names_the_missing_part() -> None:
-    assert resolve("hicache_obs.workload.Workload").__name__ == "Workload"
-    with pytest.raises(AttributeError, match=r"hicache_obs\.workload has no 'Nope'"):
-        resolve("hicache_obs.workload.Nope")
+    assert resolve("hicache_obs.lab.workload.Workload").__name__ == "Workload"
+    with pytest.raises(AttributeError, match=r"hicache_obs\.lab\.workload has no 'Nope'"):
+        resolve("hicache_obs.lab.workload.Nope")
     with pytest.raises(ModuleNotFoundError):
         resolve("hicache_obs_nope.x")
 

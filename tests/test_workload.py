@@ -7,19 +7,19 @@ from typing import Any
 import pytest
 import torch
 
-import hicache_obs.workload as workload
+import hicache_obs.lab.workload as workload
 from hicache_obs.core import ModelSpec
-from hicache_obs.testing import FAULTS, make_controller
-from hicache_obs.workload import MAX_LISTED_CORRUPTIONS, Corruption, Workload, WorkloadStats, controller_options
-from hicache_obs.workload.checker import DataChecker, bits
-from hicache_obs.workload.eviction import device_victim, host_victim
-from hicache_obs.workload.faults import CALLER_FAULTS, CallerBugs
-from hicache_obs.workload.radix import DocSlot, RadixNode, RadixTree
+from hicache_obs.lab.testing import FAULTS, make_controller
+from hicache_obs.lab.workload import MAX_LISTED_CORRUPTIONS, Corruption, Workload, WorkloadStats, controller_options
+from hicache_obs.lab.workload.checker import DataChecker, bits
+from hicache_obs.lab.workload.eviction import device_victim, host_victim
+from hicache_obs.lab.workload.faults import CALLER_FAULTS, CallerBugs
+from hicache_obs.lab.workload.radix import DocSlot, RadixNode, RadixTree
 
 
 # ---------------------------------------------------------------- package
 def test_package_names_are_the_modules_objects() -> None:
-    from hicache_obs.workload import checker, driver, stats
+    from hicache_obs.lab.workload import checker, driver, stats
 
     assert workload.Workload is driver.Workload and workload.run_workload is driver.run_workload
     assert workload.WorkloadConfig is driver.WorkloadConfig

@@ -26,7 +26,7 @@ def test_unknown_section_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_data_path_section_reports_every_ratio_and_the_kernel_ceiling() -> None:
-    from hicache_obs.bench import bench_data_path
+    from hicache_obs.lab.bench import bench_data_path
 
     out = bench_data_path(tokens=64, rounds=1, page_sizes=(1, 16))
     for layout in ("layer_first", "page_first"):
@@ -39,8 +39,8 @@ def test_data_path_section_reports_every_ratio_and_the_kernel_ceiling() -> None:
 
 
 def test_events_section_reports_both_replays_against_the_floor(capsys: pytest.CaptureFixture[str]) -> None:
-    from hicache_obs.bench import bench_events
-    from hicache_obs.cli.bench import _table
+    from hicache_obs.lab.bench import bench_events
+    from hicache_obs.lab.cli.bench import _table
 
     out = bench_events(n=3000, rounds=1)
     for key in ("append", "durable", "replay", "replay_retained"):
@@ -53,8 +53,8 @@ def test_events_section_reports_both_replays_against_the_floor(capsys: pytest.Ca
 
 
 def test_overhead_section_measures_every_profile_of_our_controller() -> None:
-    from hicache_obs.bench import bench_overhead
-    from hicache_obs.cli.bench import _overhead_profiles_line
+    from hicache_obs.lab.bench import bench_overhead
+    from hicache_obs.lab.cli.bench import _overhead_profiles_line
 
     out = bench_overhead(steps=20, rounds=1, runtimes=("sim",))
     assert set(out["profiles"]) == {"audit", "metrics", "sampling"}

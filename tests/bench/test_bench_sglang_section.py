@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hicache_obs import bench
 from hicache_obs.cli import main
-from hicache_obs.integrations.sglang import testing
+from hicache_obs.lab import bench
+from hicache_obs.lab.sglang import testing
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_line_of_a_measured_and_a_failed_section() -> None:
-    from hicache_obs.cli.bench import _sglang_line
+    from hicache_obs.lab.cli.bench import _sglang_line
 
     measured = {
         "available": True,

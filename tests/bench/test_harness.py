@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_obs.bench import Ratio, check_targets, interleave, ratio_of_rates, ratio_of_times
+from hicache_obs.lab.bench import Ratio, check_targets, interleave, ratio_of_rates, ratio_of_times
 
 
 def test_ratio_of_times_is_the_median_of_per_round_ratios() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_obs.cli.demo import _print_server_summary
+from hicache_obs.lab.cli.demo import _print_server_summary
 
 
 def _summary(**changes: object) -> dict[str, object]:

@@ -17,8 +17,8 @@ from hicache_obs.events.audit import Auditor
 from hicache_obs.events.schema import IndicesMoved, PoolsSampled, StreamRecorded, TransferSubmitted
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters.prometheus import PrometheusSink
-from hicache_obs.testing import make_controller
-from hicache_obs.workload import Workload, controller_options
+from hicache_obs.lab.testing import make_controller
+from hicache_obs.lab.workload import Workload, controller_options
 
 PROFILES = ("audit", "metrics", "sampling")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_obs.integrations.sglang import server as srv
+from hicache_obs.lab.sglang import server as srv
 
 FAKE = textwrap.dedent(
     """\

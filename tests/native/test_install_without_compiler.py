@@ -136,7 +136,7 @@ def test_the_wheel_builds_without_a_warning_and_carries_its_license_and_types(tm
         "hicache_obs/py.typed",
         "hicache_obs/_logcore.pyi",
         "hicache_obs/integrations/sglang/_boot/sitecustomize.py",
-        "hicache_obs/integrations/sglang/_cpu_boot/sitecustomize.py",
+        "hicache_obs/lab/sglang/_cpu_boot/sitecustomize.py",
     } <= names
     (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert b"Apache License" in zipfile.ZipFile(wheel).read(license_file)

@@ -183,7 +183,7 @@ def test_bench_reports_what_each_piece_ran_on() -> None:
     proc = _child(
         """
         import json
-        from hicache_obs.bench import run_bench
+        from hicache_obs.lab.bench import run_bench
         print(json.dumps(run_bench(sections=())["machine"]))
         """,
         HICACHE_OBS_NO_EXTENSIONS="copy",

@@ -282,7 +282,7 @@ FORBIDDEN = {
 }
 
 
-SERVER_HARNESS = "hicache_obs/integrations/sglang/server.py"
+SERVER_HARNESS = "hicache_obs/lab/sglang/server.py"
 
 
 def test_no_shell_eval_or_pickle_in_the_source() -> None:
@@ -300,16 +300,16 @@ def test_no_shell_eval_or_pickle_in_the_source() -> None:
                     # the bench's SGLang section runs this Python on a fixed module in a fresh
                     # interpreter (argv list, no shell): checked below
                     if what == "subprocess" and f.relative_to(ROOT).as_posix() in (
-                        "hicache_obs/bench.py",
+                        "hicache_obs/lab/bench.py",
                         SERVER_HARNESS,
                     ):
                         continue
                     hits.append(f"{f.relative_to(ROOT)}:{n}: {what}: {line.strip()}")
     assert not hits, "\n".join(hits)
-    bench = (ROOT / "hicache_obs" / "bench.py").read_text(encoding="utf-8")
+    bench = (ROOT / "hicache_obs" / "lab" / "bench.py").read_text(encoding="utf-8")
     calls = re.findall(r"subprocess\.\w+\(\s*\[([^\]]*)\]", bench)
     assert calls == ["sys.executable, \"-c\", code, json.dumps(params), str(out)"], calls
-    assert 'code = "from hicache_obs.bench import _sglang_child; _sglang_child()"' in bench
+    assert 'code = "from hicache_obs.lab.bench import _sglang_child; _sglang_child()"' in bench
     # the SGLang server harness (tests, demo --engine sglang) starts SGLang's server, this Python
     # on a fixed module (under hicache-obs instrument, the same), with an argv list and no shell
     server = (ROOT / SERVER_HARNESS).read_text(encoding="utf-8")

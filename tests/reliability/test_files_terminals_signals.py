@@ -36,9 +36,9 @@ import pytest
 from hicache_obs._files import OutputPathError, write_text
 from hicache_obs.cli import main
 from hicache_obs.cli._common import escape_text
-from hicache_obs.cli.demo import STORE_MAX_QUEUE
 from hicache_obs.events.audit import audit
 from hicache_obs.events.replay import replay
+from hicache_obs.lab.cli.demo import STORE_MAX_QUEUE
 
 PY = sys.executable
 ENV = {**os.environ, "COLUMNS": "200", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -267,7 +267,7 @@ def test_the_demo_writes_its_trace_through_a_symlink_and_checks_out_first(
     assert code == 0, err
     assert (out / "trace.json").is_symlink() and json.loads(real.read_text())["traceEvents"]
 
-    from hicache_obs.workload import Workload
+    from hicache_obs.lab.workload import Workload
 
     def never(*a: Any, **k: Any) -> Any:
         raise AssertionError("the workload ran before the output folder was checked")
@@ -407,7 +407,7 @@ def test_a_signal_inside_a_finalizer_still_stops_the_command(sig: int, code: int
 
 KILLED_WRITER = r"""
 import mmap, struct, sys, time
-from hicache_obs.cli.demo import STORE_MAX_QUEUE
+from hicache_obs.lab.cli.demo import STORE_MAX_QUEUE
 from hicache_obs.events import EventLog
 from hicache_obs.events.schema import SlotsFreed
 from hicache_obs.events.store import JsonlStore, open_store

@@ -28,7 +28,7 @@ from hicache_obs.events.state import fold
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters.otel import OtelSpanSink
 from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
-from hicache_obs.workload import controller_options, run_workload
+from hicache_obs.lab.workload import controller_options, run_workload
 
 STEPS = 200  # ~150 merged operations, so ~150 spans
 EXPORT_TIMEOUT_S = 1  # OTEL_EXPORTER_OTLP_TIMEOUT, seconds

@@ -113,7 +113,7 @@ def _instrumented_hybrid_tree(io_backend: str, layout: str) -> tuple[Any, Any]:
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
     from hicache_obs.integrations.sglang import instrument
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     try:
         t = build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout)
@@ -152,7 +152,7 @@ def _row2(release: str, io_backend: str, layout: str) -> Case | None:
     from hicache_obs.events import EventLog
     from hicache_obs.events.audit import audit
     from hicache_obs.integrations.sglang import instrument
-    from hicache_obs.integrations.sglang.tree import build_tree
+    from hicache_obs.lab.sglang.tree import build_tree
 
     t = build_tree(ModelSpec.tiny(), io_backend=io_backend, layout=layout, device_size=128)
     log = EventLog()

@@ -37,7 +37,7 @@ def test_sglang_installed_where_required() -> None:
 
 
 def _build(spec: ModelSpec | None = None, **kw):  # type: ignore[no-untyped-def]
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.testing import build_controller
 
     return build_controller(spec or ModelSpec.tiny_hybrid(), **kw)
 

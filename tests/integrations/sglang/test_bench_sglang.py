@@ -13,8 +13,8 @@ pytestmark = pytest.mark.needs_sglang
 
 
 def test_sglang_section_measures_the_real_controller() -> None:
-    from hicache_obs.bench import bench_sglang
-    from hicache_obs.cli.bench import _sglang_line
+    from hicache_obs.lab.bench import bench_sglang
+    from hicache_obs.lab.cli.bench import _sglang_line
 
     out = bench_sglang(nodes=8, batch=4, rounds=2, slices=1, timeout=280, profile_rounds=1)
     assert "error" not in out, out["error"] if "error" in out else None
@@ -54,8 +54,8 @@ def test_sglang_section_measures_the_real_controller() -> None:
 
 def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
     """The measure per profile: SGLang's tree, copies on a worker thread, each profile's figures."""
-    from hicache_obs.cli.bench import _profiles_line
-    from hicache_obs.integrations.sglang.tree import hybrid_trees
+    from hicache_obs.lab.cli.bench import _profiles_line
+    from hicache_obs.lab.sglang.tree import hybrid_trees
 
     if not hybrid_trees():
         assert pr["available"] is False and "cannot build a hybrid Mamba tree" in pr["reason"]
@@ -76,9 +76,9 @@ def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
 
 
 def test_workload_leaves_every_pool_as_it_found_it() -> None:
-    from hicache_obs.bench import _sglang_check_idle, _sglang_free, _sglang_plan, sglang_workload
     from hicache_obs.core import ModelSpec
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.bench import _sglang_check_idle, _sglang_free, _sglang_plan, sglang_workload
+    from hicache_obs.lab.sglang.testing import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     h = build_controller(spec, io_backend="direct", device_size=256)
@@ -99,13 +99,13 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
     hook counts as an error): these are the reads the floor must leave out, not fakes."""
     import torch
 
-    from hicache_obs.bench import _sglang_plan, sglang_workload
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
     from hicache_obs.events.schema import SlotsAllocated, SlotsFreed
     from hicache_obs.integrations.sglang import adapter, describe, instrument, instrumentation_of
-    from hicache_obs.integrations.sglang.floor import FloorInstrumentation, instrument_floor
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.bench import _sglang_plan, sglang_workload
+    from hicache_obs.lab.sglang.floor import FloorInstrumentation, instrument_floor
+    from hicache_obs.lab.sglang.testing import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     kernel = release_tuple() >= (0, 5, 11)  # 0.5.10's kernel path refuses the hybrid model's Mamba indices
@@ -172,12 +172,12 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
 def test_floor_with_a_part_reads_that_part_with_the_adapters_own_hooks() -> None:
     """``floor_with(["slots"])``: the adapter's allocation and free hooks (their events carry
     the slots SGLang handed out), the floor's everywhere else (constant op ids)."""
-    from hicache_obs.bench import _sglang_plan, sglang_workload
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
     from hicache_obs.events.schema import SlotsAllocated, SlotsFreed
-    from hicache_obs.integrations.sglang.floor import PARTS, FloorInstrumentation, floor_with
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.bench import _sglang_plan, sglang_workload
+    from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with
+    from hicache_obs.lab.sglang.testing import build_controller
 
     with pytest.raises(ValueError, match=r"unknown parts \['slot'\]"):
         floor_with(["slot"])

@@ -1,4 +1,4 @@
-"""The paged allocator's slot kernels on a CPU (:mod:`hicache_obs.integrations.sglang.cpu_alloc`),
+"""The paged allocator's slot kernels on a CPU (:mod:`hicache_obs.lab.sglang.cpu_alloc`),
 on SGLang's own allocator module: every slot they hand out, against a reference that walks
 the tokens one by one (a new page at each page boundary, the next slot otherwise)."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from sglang_env import fresh_module
 
-from hicache_obs.integrations.sglang import cpu_alloc
+from hicache_obs.lab.sglang import cpu_alloc
 
 pytestmark = pytest.mark.needs_sglang
 

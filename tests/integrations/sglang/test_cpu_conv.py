@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from sglang_env import SERVER_RELEASE, fresh_module
 
-from hicache_obs.integrations.sglang import cpu_conv
-from hicache_obs.integrations.sglang.cpu_conv import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
+from hicache_obs.lab.sglang import cpu_conv
+from hicache_obs.lab.sglang.cpu_conv import PAD_SLOT_ID, causal_conv1d_fn, causal_conv1d_update
 
 DIM = 6
 LINES, STATE_LEN = 7, 4  # cache lines; state columns (>= width - 1: the last stay untouched for width < 5)

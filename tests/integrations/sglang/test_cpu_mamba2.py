@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from sglang_env import SERVER_RELEASE
 
-from hicache_obs.integrations.sglang.cpu_mamba2 import PAD_SLOT_ID, mamba_chunk_scan_combined, selective_state_update
+from hicache_obs.lab.sglang.cpu_mamba2 import PAD_SLOT_ID, mamba_chunk_scan_combined, selective_state_update
 
 NHEADS, HEADDIM, NGROUPS, DSTATE = 4, 3, 2, 5
 LINES = 6
@@ -276,8 +276,8 @@ def test_signatures_are_sglangs() -> None:
 # run in a process of its own: the stand-ins this needs (cpu_server.install) are process-wide
 _BINDS = """
 import importlib.util, types
-from hicache_obs.integrations.sglang import cpu_conv, cpu_mamba2
-from hicache_obs.integrations.sglang.cpu_server import install
+from hicache_obs.lab.sglang import cpu_conv, cpu_mamba2
+from hicache_obs.lab.sglang.cpu_server import install
 
 install()  # SGLang's layer modules import what a CPU-only install lacks
 name = cpu_mamba2.TARGET_MODULES[0]

@@ -1,4 +1,4 @@
-"""The ``torch_native`` sliding-window stand-in (:mod:`hicache_obs.integrations.sglang.cpu_swa`)
+"""The ``torch_native`` sliding-window stand-in (:mod:`hicache_obs.lab.sglang.cpu_swa`)
 on SGLang's own backend class: a sliding-window layer reads the SWA pool at the full->SWA
 translated slots, as it wrote them; a full-attention layer is untouched."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from sglang_env import SERVER_RELEASE, fresh_module
 
-from hicache_obs.integrations.sglang import cpu_swa
+from hicache_obs.lab.sglang import cpu_swa
 
 HEADS, DIM, FULL, SWA = 2, 8, 40, 12
 

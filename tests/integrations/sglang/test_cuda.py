@@ -26,7 +26,7 @@ from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events.audit import audit
 from hicache_obs.events.replay import replay
 from hicache_obs.events.schema import StreamRecorded, TransferCompleted, TransferFailed, TransferSubmitted
-from hicache_obs.integrations.sglang import testing
+from hicache_obs.lab.sglang import testing
 
 FIXED = release_tuple() >= (0, 5, 11)
 STEPS = "30"
@@ -85,7 +85,7 @@ def test_sgl_kernel_names_imported_on_a_gpu_are_placeholders_and_nothing_more() 
     code = """
 import importlib, json
 from hicache_obs.errors import IntegrationError
-from hicache_obs.integrations.sglang import kernels, testing
+from hicache_obs.lab.sglang import kernels, testing
 inst = kernels.install()
 if "sgl_kernel" not in inst.stand_ins:
     print(json.dumps({"real": True})); raise SystemExit(0)
@@ -148,7 +148,7 @@ def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "hicache-obs: error: --runtime cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
     assert not out.exists()
-    code = "from hicache_obs.integrations.sglang.testing import prepare; prepare('cuda')"
+    code = "from hicache_obs.lab.sglang.testing import prepare; prepare('cuda')"
     proc = _run("-c", code)
     assert proc.returncode == 1
     assert "ConfigError: device 'cuda' needs a CUDA device: torch.cuda.is_available() is False here" in proc.stderr
@@ -342,7 +342,7 @@ def test_gpu_harness_round_trips_and_names_its_kernels() -> None:
 import json, torch
 from hicache_obs.core.spec import ModelSpec
 from hicache_obs.integrations.sglang import instrument
-from hicache_obs.integrations.sglang.testing import build_controller, kernel_sources
+from hicache_obs.lab.sglang.testing import build_controller, kernel_sources
 h = build_controller(ModelSpec.tiny(), device="cuda")
 with instrument(h.controller) as inst:
     kv = h.alloc_kv(2 * h.spec.page_size)
@@ -380,7 +380,8 @@ from hicache_obs.core.spec import ModelSpec
 from hicache_obs.events import EventLog
 from hicache_obs.events.audit import audit
 from hicache_obs.events.schema import IndicesFreed, SlotsFreed
-from hicache_obs.integrations.sglang import instrument, testing
+from hicache_obs.integrations.sglang import instrument
+from hicache_obs.lab.sglang import testing
 
 h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel", device="cuda")
 log = EventLog()

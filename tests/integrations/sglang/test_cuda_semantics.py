@@ -2,7 +2,7 @@
 
 On the CPU harness a copy runs at the call, so 0.5.12's write-back demotion (the device slots
 freed while the D2H write still reads them) backs up the right rows: only the log shows the
-use after free. Under :func:`~hicache_obs.integrations.sglang.deferred.cuda_semantics` the
+use after free. Under :func:`~hicache_obs.lab.sglang.deferred.cuda_semantics` the
 write runs when its stream is waited for, as late as a GPU may run it: the next request has
 taken the freed slots and written its own KV by then, and the host copy of the demoted node
 holds that request's rows. 0.5.13 waits for the write before it frees, and serves the same
@@ -31,7 +31,7 @@ PAGE = ModelSpec.tiny().page_size
 
 @pytest.fixture
 def unified() -> None:
-    from hicache_obs.integrations.sglang.tree import has_unified_hicache
+    from hicache_obs.lab.sglang.tree import has_unified_hicache
 
     if not has_unified_hicache():
         pytest.skip("this SGLang release has no UnifiedRadixCache with HiCache (init_hicache)")
@@ -40,7 +40,7 @@ def unified() -> None:
 def _build(io_backend: str, layout: str) -> tuple[Any, EventLog, list[tuple[torch.Tensor, torch.Tensor]]]:
     """The tree, its log, and for each write the tree asked for, in order, its host indices and
     the device rows it was to back up, as the device held them when it was asked for."""
-    from hicache_obs.integrations.sglang.tree import build_tree
+    from hicache_obs.lab.sglang.tree import build_tree
 
     t = build_tree(ModelSpec.tiny(), io_backend=io_backend, layout=layout, device_size=128)
     log = EventLog()
@@ -61,7 +61,7 @@ def _build(io_backend: str, layout: str) -> tuple[Any, EventLog, list[tuple[torc
 
 def _host_rows(t: Any, host: torch.Tensor) -> torch.Tensor:
     """The host copy at ``host``, as ``(layers k then v, tokens, heads, dim)``."""
-    from hicache_obs.integrations.sglang.engine import _kv_planes
+    from hicache_obs.lab.sglang.engine import _kv_planes
 
     _, planes = _kv_planes(t.harness)
     got = planes.read_slots(host)
@@ -70,7 +70,7 @@ def _host_rows(t: Any, host: torch.Tensor) -> torch.Tensor:
 
 def _rows(tokens: list[int], t: Any) -> list[torch.Tensor]:
     """The rows the harness wrote for ``tokens``, one per token."""
-    from hicache_obs.integrations.sglang.tree import _prefix_rows
+    from hicache_obs.lab.sglang.tree import _prefix_rows
 
     dtype = t.harness.kv_pool.k_buffer[0].dtype
     return list(_prefix_rows(tokens, 0, t._row_shape()).to(dtype).float().unbind(1))
@@ -86,7 +86,7 @@ def _backed_up(t: Any, writes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[
 def test_0_5_12_backs_up_the_next_requests_rows_under_cuda_semantics(
     unified: None, io_backend: str, layout: str
 ) -> None:
-    from hicache_obs.integrations.sglang.deferred import cuda_semantics, pending
+    from hicache_obs.lab.sglang.deferred import cuda_semantics, pending
 
     with cuda_semantics():
         t, log, writes = _build(io_backend, layout)
@@ -124,7 +124,7 @@ def test_0_5_12_backs_up_the_right_rows_when_copies_run_at_the_call(
 @pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
 def test_the_fixed_release_serves_intact_under_cuda_semantics(unified: None, io_backend: str, layout: str) -> None:
-    from hicache_obs.integrations.sglang.deferred import cuda_semantics
+    from hicache_obs.lab.sglang.deferred import cuda_semantics
 
     with cuda_semantics():
         t, log, writes = _build(io_backend, layout)
@@ -139,8 +139,8 @@ def test_the_fixed_release_serves_intact_under_cuda_semantics(unified: None, io_
 
 def test_cuda_semantics_refuses_a_second_block() -> None:
     from hicache_obs.errors import ConfigError
-    from hicache_obs.integrations.sglang.deferred import cuda_semantics
-    from hicache_obs.integrations.sglang.testing import prepare
+    from hicache_obs.lab.sglang.deferred import cuda_semantics
+    from hicache_obs.lab.sglang.testing import prepare
 
     prepare("cpu")
     with cuda_semantics():
@@ -156,7 +156,7 @@ def test_the_copy_worker_runs_the_copies_beside_the_controller(unified: None, io
     the controller's thread copies nothing (its threads' idents, seen from inside a copy)."""
     import threading
 
-    from hicache_obs.integrations.sglang import deferred
+    from hicache_obs.lab.sglang import deferred
 
     ran_on: set[int] = set()
 

@@ -19,7 +19,7 @@ FIXED = release_tuple() >= (0, 5, 11)
 
 
 def _engine(spec: ModelSpec, io_backend: str = "kernel") -> tuple[object, EventLog]:
-    from hicache_obs.integrations.sglang.engine import build_engine, build_harness
+    from hicache_obs.lab.sglang.engine import build_engine, build_harness
 
     h = build_harness(
         spec, io_backend=io_backend, layout="page_first", write_policy="write_through", device_tokens=16 * spec.page_size

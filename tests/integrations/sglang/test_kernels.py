@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache_obs.integrations.sglang import kernels as K
-from hicache_obs.integrations.sglang.kernels import KernelCheckError, UnmappedAddressError
+from hicache_obs.lab.sglang import kernels as K
+from hicache_obs.lab.sglang.kernels import KernelCheckError, UnmappedAddressError
 
 L, H, D = 3, 2, 8  # layers, heads, head_dim
 DEV, HOST = 24, 32  # device and host slots (tokens)

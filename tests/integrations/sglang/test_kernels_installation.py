@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import types
 
-from hicache_obs.integrations.sglang import kernels as K
+from hicache_obs.lab.sglang import kernels as K
 
 
 def test_undo_takes_out_what_the_installation_put_in_and_leaves_what_replaced_it() -> None:

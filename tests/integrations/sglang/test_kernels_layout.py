@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_obs.integrations.sglang import kernels as K
-from hicache_obs.integrations.sglang.kernels import KernelCheckError
-from hicache_obs.integrations.sglang.kernels.checks import LAUNCHER_CHECKS
+from hicache_obs.lab.sglang import kernels as K
+from hicache_obs.lab.sglang.kernels import KernelCheckError
+from hicache_obs.lab.sglang.kernels.checks import LAUNCHER_CHECKS
 
 ROOT = Path(__file__).resolve().parents[3]
 L = 3
@@ -148,5 +148,5 @@ def test_pyproject_lists_every_package_folder() -> None:
         for p in (ROOT / "hicache_obs").rglob("__init__.py")
         if not re.search(r"(^|/)(_boot|__pycache__)(/|$)", p.parent.relative_to(ROOT).as_posix())
     }
-    assert "hicache_obs.integrations.sglang.kernels" in folders
+    assert "hicache_obs.lab.sglang.kernels" in folders
     assert folders <= listed, f"packages a non-editable install would leave out: {sorted(folders - listed)}"

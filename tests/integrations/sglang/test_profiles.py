@@ -33,7 +33,7 @@ NOT_KEPT = {m.EVENTS_TOTAL, m.AUDIT_SAMPLE_RATIO}
 
 
 def _harness() -> Any:
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.testing import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     return build_controller(spec, io_backend="direct", layout="page_first_direct", device_size=4 * spec.page_size * 16)
@@ -41,7 +41,7 @@ def _harness() -> Any:
 
 def _run(h: Any, profile: str, share: float | None = None) -> tuple[Any, EventLog, PrometheusSink, Auditor]:
     """The bench's serving workload (writes, evictions, loads, frees) on one controller."""
-    from hicache_obs.bench import _sglang_plan, sglang_workload
+    from hicache_obs.lab.bench import _sglang_plan, sglang_workload
 
     log = EventLog()
     auditor = Auditor().attach(log)
@@ -160,7 +160,7 @@ def test_every_profile_finds_what_audit_finds_on_the_workload(runs: dict[str, An
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 def test_a_sampled_op_whose_indices_are_freed_in_flight_is_a_use_after_free(io_backend: str) -> None:
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.testing import build_controller
 
     h = build_controller(ModelSpec.tiny(), io_backend=io_backend)
     log = EventLog()
@@ -252,7 +252,7 @@ def test_a_metrics_log_reads_back_in_every_command(tmp_path: Any, capsys: pytest
         log = EventLog()
         open_store(log, tmp_path / "log")
         with instrument(h.controller, log=log, profile="metrics"):
-            from hicache_obs.bench import _sglang_plan, sglang_workload
+            from hicache_obs.lab.bench import _sglang_plan, sglang_workload
 
             sglang_workload(h, _sglang_plan(4, h.spec.page_size), 2)
         log.close()

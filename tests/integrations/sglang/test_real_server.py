@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 from sglang_env import RELEASE, release_tuple
 
-from hicache_obs.integrations.sglang.server import (
+from hicache_obs.lab.sglang.server import (
     SERVER_ARGS,
     Conversations,
     ServerConfig,

@@ -26,7 +26,7 @@ from hicache_obs.events.audit import audit
 from hicache_obs.events.replay import replay
 from hicache_obs.events.schema import AuditViolation, SlotsFreed, TransferCompleted, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
-from hicache_obs.integrations.sglang.server import free_port
+from hicache_obs.lab.sglang.server import free_port
 
 pytestmark = pytest.mark.needs_sglang
 
@@ -53,7 +53,7 @@ EVICTING = 2
 
 @pytest.fixture
 def unified() -> None:
-    from hicache_obs.integrations.sglang.tree import has_unified_hicache
+    from hicache_obs.lab.sglang.tree import has_unified_hicache
 
     if not has_unified_hicache():
         pytest.skip("this SGLang release has no UnifiedRadixCache with HiCache (init_hicache)")
@@ -63,7 +63,7 @@ class _Run:
     """SGLang's tree with HiCache, its controller instrumented into a log."""
 
     def __init__(self, io_backend: str, layout: str) -> None:
-        from hicache_obs.integrations.sglang.tree import build_tree
+        from hicache_obs.lab.sglang.tree import build_tree
 
         self.t = build_tree(ModelSpec.tiny(), io_backend=io_backend, layout=layout, device_size=128)
         self.log = EventLog()
@@ -119,7 +119,7 @@ def test_0_5_12_use_after_free_is_a_finding(unified: None, io_backend: str, layo
 CRASHING = """
 import os, sys
 from hicache_obs.core import ModelSpec
-from hicache_obs.integrations.sglang.tree import build_tree
+from hicache_obs.lab.sglang.tree import build_tree
 
 tree = build_tree(ModelSpec.tiny(), io_backend=sys.argv[1], layout=sys.argv[2], device_size=128)
 try:
@@ -173,7 +173,7 @@ def test_write_back_eviction_waits_for_the_copy(unified: None, io_backend: str, 
 
 
 def test_a_tree_without_a_scheduler_call_is_refused(unified: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hicache_obs.integrations.sglang.tree import build_tree
+    from hicache_obs.lab.sglang.tree import build_tree
 
     cls = __import__("sglang.srt.mem_cache.unified_radix_cache", fromlist=["UnifiedRadixCache"]).UnifiedRadixCache
     monkeypatch.setattr(cls, "init_load_back", None)  # BasePrefixCache defines one too

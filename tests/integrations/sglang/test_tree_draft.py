@@ -46,7 +46,7 @@ OPS = {"d2h": 7, "h2d": 3}  # seven write-through backups, three load backs
 
 def _sidecar_release() -> bool:
     """Whether SGLang builds a draft as a sidecar pool of the tree (0.5.2x)."""
-    from hicache_obs.integrations.sglang.testing import _module, prepare
+    from hicache_obs.lab.sglang.testing import _module, prepare
 
     if RELEASE is None:
         return False
@@ -59,7 +59,7 @@ def _set_draft_release() -> bool:
     """Whether SGLang registers a draft with the controller's ``set_draft_kv_pool`` (0.5.11 until the sidecars)."""
     if RELEASE is None or _sidecar_release():
         return False
-    from hicache_obs.integrations.sglang.testing import prepare
+    from hicache_obs.lab.sglang.testing import prepare
 
     prepare("cpu")
     cc = importlib.import_module("sglang.srt.managers.cache_controller")
@@ -77,7 +77,7 @@ needs_sidecar = pytest.mark.skipif(not SIDECAR, reason="this release builds no d
 
 
 def _available(tree: str) -> None:
-    from hicache_obs.integrations.sglang.tree import hybrid_trees
+    from hicache_obs.lab.sglang.tree import hybrid_trees
 
     if tree not in hybrid_trees():
         pytest.skip(f"SGLang {RELEASE} has no {tree} hybrid tree with HiCache")
@@ -88,7 +88,7 @@ def _layout(layout: str) -> None:
 
 
 def _unified() -> None:
-    from hicache_obs.integrations.sglang.tree import has_unified_hicache
+    from hicache_obs.lab.sglang.tree import has_unified_hicache
 
     if not has_unified_hicache():
         pytest.skip("this SGLang release has no UnifiedRadixCache with HiCache (init_hicache)")
@@ -166,7 +166,7 @@ class _Run:
 
 
 def _hybrid(io_backend: str, layout: str, tree: str) -> Any:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     skip_draft_with_the_kernel_backend_on_0_5_17(io_backend)
     _available(tree)
@@ -175,7 +175,7 @@ def _hybrid(io_backend: str, layout: str, tree: str) -> Any:
 
 
 def _kv_only(io_backend: str, layout: str) -> Any:
-    from hicache_obs.integrations.sglang.tree import build_tree
+    from hicache_obs.lab.sglang.tree import build_tree
 
     _unified()
     # write_through: the workload backs up as the hybrid one does (and 0.5.12's write_back
@@ -223,7 +223,7 @@ def test_the_kv_only_unified_tree_carries_the_draft_sidecar(io_backend: str, lay
 
 @pytest.mark.skipif(not (SIDECAR or SET_DRAFT), reason="this release's scheduler registers no draft")
 def test_a_draft_registered_before_the_controller_is_instrumented_is_followed_too() -> None:
-    from hicache_obs.integrations.sglang.tree import hybrid_trees
+    from hicache_obs.lab.sglang.tree import hybrid_trees
 
     tree = hybrid_trees()[0]
     r = _Run(_hybrid("direct", "page_first_direct", tree), draft_first=True)
@@ -235,7 +235,7 @@ def test_a_draft_registered_before_the_controller_is_instrumented_is_followed_to
 
 
 def test_a_tree_without_a_draft_checks_none() -> None:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree, hybrid_trees
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree, hybrid_trees
 
     if not hybrid_trees():
         pytest.skip(f"SGLang {RELEASE} has no hybrid Mamba tree with HiCache")
@@ -246,7 +246,7 @@ def test_a_tree_without_a_draft_checks_none() -> None:
 
 @pytest.mark.skipif(not (SIDECAR or SET_DRAFT), reason="this release's scheduler registers no draft")
 def test_a_second_draft_is_refused() -> None:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     t = build_hybrid_tree()
     t.add_draft()
@@ -256,7 +256,7 @@ def test_a_second_draft_is_refused() -> None:
 
 @pytest.mark.skipif(SIDECAR or SET_DRAFT or RELEASE is None, reason="this release's scheduler registers a draft")
 def test_a_release_without_a_draft_registration_is_refused() -> None:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     assert release_tuple() < (0, 5, 11)
     t = build_hybrid_tree()

@@ -57,7 +57,7 @@ LOADED = [0, 0, 0, 0, len(B1), len(C1), len(A2), 0]
 
 
 def _available(tree: str) -> None:
-    from hicache_obs.integrations.sglang.tree import hybrid_trees
+    from hicache_obs.lab.sglang.tree import hybrid_trees
 
     if tree not in hybrid_trees():
         why = {
@@ -75,7 +75,7 @@ class _Run:
     """SGLang's hybrid tree with HiCache, its controller instrumented into a log."""
 
     def __init__(self, io_backend: str, layout: str, tree: str | None = None) -> None:
-        from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+        from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
         self.t = build_hybrid_tree(ModelSpec.tiny_hybrid(), io_backend=io_backend, layout=layout, tree=tree)
         self.log = EventLog()
@@ -129,7 +129,7 @@ def test_0_5_10_direct_backend_leaves_every_mamba_index_unrecorded(io_backend: s
 @pytest.mark.skipif(release_tuple()[:3] != (0, 5, 10), reason="SGLang 0.5.10's hybrid controller (PR #22940)")
 @pytest.mark.parametrize("io_backend,layout", KERNEL)
 def test_0_5_10_kernel_backend_refuses_the_first_mamba_backup(io_backend: str, layout: str) -> None:
-    from hicache_obs.integrations.sglang.kernels.checks import KernelCheckError
+    from hicache_obs.lab.sglang.kernels.checks import KernelCheckError
 
     r = _Run(io_backend, layout, "hi_mamba")
     with pytest.raises(KernelCheckError, match="Destination indices must be a CUDA tensor") as raised:
@@ -158,7 +158,7 @@ def test_fixed_releases_run_the_hybrid_tree_clean(tree: str, io_backend: str, la
 
 
 def test_a_mamba_state_lost_on_the_host_is_seen() -> None:
-    from hicache_obs.integrations.sglang.testing import _tensors_of
+    from hicache_obs.lab.sglang.testing import _tensors_of
 
     r = _Run("direct", "page_first_direct")
     for tokens in WORKLOAD[:4]:
@@ -173,7 +173,7 @@ def test_a_mamba_state_lost_on_the_host_is_seen() -> None:
 
 @pytest.mark.parametrize("layout", ["page_first", "layer_first", "page_first_direct"])
 def test_a_layout_the_mamba_host_pool_refuses_is_sglangs_own_error(layout: str) -> None:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     if layout in mamba_layouts():
         pytest.skip(f"SGLang {RELEASE}'s MambaPoolHost takes {layout}")
@@ -183,7 +183,7 @@ def test_a_layout_the_mamba_host_pool_refuses_is_sglangs_own_error(layout: str) 
 
 
 def test_the_scheduler_tree_is_built_by_default() -> None:
-    from hicache_obs.integrations.sglang.tree import build_hybrid_tree, hybrid_trees
+    from hicache_obs.lab.sglang.tree import build_hybrid_tree, hybrid_trees
 
     trees = hybrid_trees()
     assert trees, f"SGLang {RELEASE} has no hybrid Mamba tree with HiCache"
@@ -194,7 +194,7 @@ def test_the_scheduler_tree_is_built_by_default() -> None:
 
 
 def test_what_the_harness_cannot_build_is_refused() -> None:
-    from hicache_obs.integrations.sglang.tree import HYBRID_TREES, build_hybrid_tree, hybrid_trees
+    from hicache_obs.lab.sglang.tree import HYBRID_TREES, build_hybrid_tree, hybrid_trees
 
     with pytest.raises(ConfigError, match="hybrid tree harness"):
         build_hybrid_tree(ModelSpec.tiny())

@@ -47,7 +47,7 @@ HOT_TURNS = [i for i in range(len(WORKLOAD)) if WORKLOAD[i][0] == 1000]
 
 
 def _tree(kind: str, io_backend: str, layout: str) -> Any:
-    from hicache_obs.integrations.sglang import tree
+    from hicache_obs.lab.sglang import tree
 
     if kind == "kv":
         if not tree.has_unified_hicache():

@@ -58,7 +58,7 @@ PLANS = {
 
 
 def _available() -> None:
-    from hicache_obs.integrations.sglang.tree import swa_tree_missing
+    from hicache_obs.lab.sglang.tree import swa_tree_missing
 
     missing = swa_tree_missing()
     if missing is not None:
@@ -69,7 +69,7 @@ class _Run:
     """SGLang's SWA tree with HiCache, its controller instrumented into a log."""
 
     def __init__(self, io_backend: str, layout: str, swa_size: int | None = None) -> None:
-        from hicache_obs.integrations.sglang.tree import build_swa_tree
+        from hicache_obs.lab.sglang.tree import build_swa_tree
 
         self.t = build_swa_tree(SPEC, io_backend=io_backend, layout=layout, swa_size=swa_size)
         self.log = EventLog()
@@ -121,7 +121,7 @@ def test_the_swa_tree_runs_clean_under_pressure(io_backend: str, layout: str, pl
 def test_swa_rows_lost_on_the_host_are_seen() -> None:
     """The SWA check reads the SWA pool: SWA rows zeroed on the host come back wrong while the
     full rows stay intact."""
-    from hicache_obs.integrations.sglang.testing import _tensors_of
+    from hicache_obs.lab.sglang.testing import _tensors_of
 
     _available()
     r = _Run("direct", "page_first_direct")
@@ -145,7 +145,7 @@ def test_the_tree_is_sglangs() -> None:
 
 
 def test_what_the_harness_cannot_build_is_refused() -> None:
-    from hicache_obs.integrations.sglang.tree import build_swa_tree, swa_tree_missing
+    from hicache_obs.lab.sglang.tree import build_swa_tree, swa_tree_missing
 
     with pytest.raises(ConfigError, match="SWA tree harness"):
         build_swa_tree(ModelSpec.tiny())
@@ -157,7 +157,7 @@ def test_what_the_harness_cannot_build_is_refused() -> None:
 
 
 def test_build_controller_points_a_swa_model_to_the_tree() -> None:
-    from hicache_obs.integrations.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.testing import build_controller
 
     with pytest.raises(ConfigError, match=r"only through its tree's init_hicache: use tree\.build_swa_tree"):
         build_controller(SPEC)

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ....errors import HiCacheError
-from .arguments import as_int, plain
+from hicache_obs.errors import HiCacheError
+from hicache_obs.lab.sglang.kernels.arguments import as_int, plain
 
 __all__ = ["KernelCheckError", "LauncherChecks", "LAUNCHER_CHECKS", "Launch", "check_launch"]
 

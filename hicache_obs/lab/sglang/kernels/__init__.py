@@ -23,10 +23,10 @@ with torch indexing. Index tensors count as CUDA tensors when their
 
 from __future__ import annotations
 
-from .arguments import plain as _plain  # noqa: F401  (tests read indices back as the ops do)
-from .checks import KernelCheckError
-from .installation import OPS, Installation, bind, install, unbind, uninstall
-from .kvcacheio import (
+from hicache_obs.lab.sglang.kernels.arguments import plain as _plain  # noqa: F401  (tests read indices back as the ops do)
+from hicache_obs.lab.sglang.kernels.checks import KernelCheckError
+from hicache_obs.lab.sglang.kernels.installation import OPS, Installation, bind, install, unbind, uninstall
+from hicache_obs.lab.sglang.kernels.kvcacheio import (
     KVCACHEIO_MODULE,
     KVCACHEIO_OPS,
     transfer_kv_all_layer,
@@ -43,9 +43,14 @@ from .kvcacheio import (
     transfer_kv_per_layer_pf_lf,
     transfer_kv_per_layer_ph_lf,
 )
-from .mamba import TRANSFER_MAMBA_MODULE, TRANSFER_MAMBA_OPS, transfer_kv_mamba_lf_pf, transfer_kv_mamba_pf_lf
-from .memory import MEMORY, Memory, UnmappedAddressError, register_buffers
-from .memory import flatten as _flatten  # noqa: F401  (tests walk buffers as register_buffers does)
+from hicache_obs.lab.sglang.kernels.mamba import (
+    TRANSFER_MAMBA_MODULE,
+    TRANSFER_MAMBA_OPS,
+    transfer_kv_mamba_lf_pf,
+    transfer_kv_mamba_pf_lf,
+)
+from hicache_obs.lab.sglang.kernels.memory import MEMORY, Memory, UnmappedAddressError, register_buffers
+from hicache_obs.lab.sglang.kernels.memory import flatten as _flatten  # noqa: F401  (tests walk buffers as register_buffers does)
 
 __all__ = [
     "KernelCheckError",

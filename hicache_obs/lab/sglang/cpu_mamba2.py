@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_conv
+from hicache_obs.lab.sglang import cpu_conv
 
 __all__ = [
     "PAD_SLOT_ID",

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ....errors import HiCacheError
-from .arguments import plain
+from hicache_obs.errors import HiCacheError
+from hicache_obs.lab.sglang.kernels.arguments import plain
 
 __all__ = ["UnmappedAddressError", "Memory", "MEMORY", "register_buffers"]
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import memory
-from .arguments import as_int, plain
-from .checks import (
+from hicache_obs.lab.sglang.kernels import memory
+from hicache_obs.lab.sglang.kernels.arguments import as_int, plain
+from hicache_obs.lab.sglang.kernels.checks import (
     BLOCK_QUOTA,
     NUM_WARPS_PER_BLOCK,
     KernelCheckError,
@@ -27,7 +27,7 @@ from .checks import (
     pointers,
     require_dtype,
 )
-from .memory import Side, copy_items, layer_first, page_first, tensor_side
+from hicache_obs.lab.sglang.kernels.memory import Side, copy_items, layer_first, page_first, tensor_side
 
 __all__ = [
     "KVCACHEIO_MODULE",

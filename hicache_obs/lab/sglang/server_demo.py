@@ -20,8 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, IntegrationError
-from .server import Conversations, ServerConfig, SGLangServer, Turn, free_port, make_model, metric_samples, recompute
+from hicache_obs.errors import ConfigError, IntegrationError
+from hicache_obs.lab.sglang.server import (
+    Conversations,
+    ServerConfig,
+    SGLangServer,
+    Turn,
+    free_port,
+    make_model,
+    metric_samples,
+    recompute,
+)
 
 __all__ = ["MODEL_KINDS", "ServerDemo", "check_server_options", "require_server"]
 
@@ -64,7 +73,7 @@ def require_server() -> str:
             f"--engine sglang: SGLang's server cannot start from {sys.executable}: {', '.join(missing)} missing "
             "(make sglang-server installs what it needs)"
         )
-    from .testing import sglang_version
+    from hicache_obs.lab.sglang.testing import sglang_version
 
     return sglang_version() or "?"
 

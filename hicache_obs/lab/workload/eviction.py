@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from ..core.controller import HiCacheController
-from ..core.policy import WritePolicy
-from .faults import CallerBugs
-from .radix import Indices, RadixNode, RadixTree
-from .stats import WorkloadStats
+from hicache_obs.core.controller import HiCacheController
+from hicache_obs.core.policy import WritePolicy
+from hicache_obs.lab.workload.faults import CallerBugs
+from hicache_obs.lab.workload.radix import Indices, RadixNode, RadixTree
+from hicache_obs.lab.workload.stats import WorkloadStats
 
 __all__ = ["Evictor", "device_victim", "host_victim"]
 

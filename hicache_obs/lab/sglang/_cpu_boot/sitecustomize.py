@@ -1,5 +1,5 @@
 """On ``PYTHONPATH`` of a test's SGLang server: the CPU stand-ins of
-:mod:`hicache_obs.integrations.sglang.cpu_server` in every process started with
+:mod:`hicache_obs.lab.sglang.cpu_server` in every process started with
 ``HICACHE_OBS_SGLANG_CPU=1``, then the ``sitecustomize`` this one shadows, if any."""
 
 import importlib.machinery
@@ -10,7 +10,7 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 
 if os.environ.get("HICACHE_OBS_SGLANG_CPU") == "1":
-    from hicache_obs.integrations.sglang.cpu_server import install
+    from hicache_obs.lab.sglang.cpu_server import install
 
     install()
 

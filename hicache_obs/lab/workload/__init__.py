@@ -28,9 +28,9 @@ One module per concept:
 
 from __future__ import annotations
 
-from .checker import MAX_LISTED_CORRUPTIONS, Corruption
-from .driver import Workload, WorkloadConfig, controller_options, run_workload
-from .stats import WorkloadStats
+from hicache_obs.lab.workload.checker import MAX_LISTED_CORRUPTIONS, Corruption
+from hicache_obs.lab.workload.driver import Workload, WorkloadConfig, controller_options, run_workload
+from hicache_obs.lab.workload.stats import WorkloadStats
 
 __all__ = [
     "WorkloadConfig",

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kvcacheio import KVCACHEIO_MODULE, KVCACHEIO_OPS
-from .mamba import TRANSFER_MAMBA_MODULE, TRANSFER_MAMBA_OPS
+from hicache_obs.lab.sglang.kernels.kvcacheio import KVCACHEIO_MODULE, KVCACHEIO_OPS
+from hicache_obs.lab.sglang.kernels.mamba import TRANSFER_MAMBA_MODULE, TRANSFER_MAMBA_OPS
 
 __all__ = ["OPS", "Installation", "install", "uninstall", "bind", "unbind"]
 

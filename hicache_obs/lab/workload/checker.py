@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core.controller import Ack, HiCacheController
-from .radix import Indices, RadixNode
+from hicache_obs.core.controller import Ack, HiCacheController
+from hicache_obs.lab.workload.radix import Indices, RadixNode
 
 if TYPE_CHECKING:
-    from .stats import WorkloadStats
+    from hicache_obs.lab.workload.stats import WorkloadStats
 
 __all__ = ["MAX_LISTED_CORRUPTIONS", "Corruption", "DataChecker", "bits"]
 

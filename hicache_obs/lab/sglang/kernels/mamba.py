@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import checks
-from .arguments import as_int, plain
-from .checks import KernelCheckError, no_negatives, pointers
-from .memory import Side, copy_items, layer_first, page_first, tensor_side
+from hicache_obs.lab.sglang.kernels import checks
+from hicache_obs.lab.sglang.kernels.arguments import as_int, plain
+from hicache_obs.lab.sglang.kernels.checks import KernelCheckError, no_negatives, pointers
+from hicache_obs.lab.sglang.kernels.memory import Side, copy_items, layer_first, page_first, tensor_side
 
 __all__ = ["TRANSFER_MAMBA_MODULE", "TRANSFER_MAMBA_OPS", "transfer_kv_mamba_pf_lf", "transfer_kv_mamba_lf_pf"]
 

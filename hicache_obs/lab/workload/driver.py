@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from ..core.controller import ANCHOR, Ack, HiCacheController, HybridCacheController
-from ..core.operations import PoolTransfer
-from ..core.spec import ModelSpec
-from ..errors import ConfigError
-from ..events.schema import D2H, H2D
-from .checker import DataChecker
-from .eviction import Evictor
-from .faults import CallerBugs
-from .radix import DocSlot, Indices, RadixNode, RadixTree
-from .stats import WorkloadStats
+from hicache_obs.core.controller import ANCHOR, Ack, HiCacheController, HybridCacheController
+from hicache_obs.core.operations import PoolTransfer
+from hicache_obs.core.spec import ModelSpec
+from hicache_obs.errors import ConfigError
+from hicache_obs.events.schema import D2H, H2D
+from hicache_obs.lab.workload.checker import DataChecker
+from hicache_obs.lab.workload.eviction import Evictor
+from hicache_obs.lab.workload.faults import CallerBugs
+from hicache_obs.lab.workload.radix import DocSlot, Indices, RadixNode, RadixTree
+from hicache_obs.lab.workload.stats import WorkloadStats
 
 __all__ = ["WorkloadConfig", "Request", "Workload", "controller_options", "run_workload"]
 
@@ -102,7 +102,7 @@ class Workload:
     """Drives ``controller`` with the synthetic traffic; :meth:`run` returns :class:`WorkloadStats`.
 
     ``fault`` names the fault the controller was built with (see
-    :data:`hicache_obs.testing.FAULTS`); the workload plays the buggy caller for
+    :data:`hicache_obs.lab.testing.FAULTS`); the workload plays the buggy caller for
     ``double-free`` and ``use-after-free`` (:mod:`.faults`) and otherwise ignores it.
     """
 
@@ -171,7 +171,7 @@ class Workload:
         return self.stats
 
     def step(self) -> None:
-        """Serve one request (see :mod:`hicache_obs.workload.driver`)."""
+        """Serve one request (see :mod:`hicache_obs.lab.workload.driver`)."""
         self._tick += 1
         self.stats.steps += 1
         self.stats.requests += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checker import Corruption
+from hicache_obs.lab.workload.checker import Corruption
 
 __all__ = ["WorkloadStats"]
 

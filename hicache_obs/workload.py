@@ -1,0 +1,6 @@
+"""Moved to :mod:`hicache_obs.lab.workload`; this path still works, with a ``DeprecationWarning``, for one
+release."""
+
+from hicache_obs._moved import forward
+
+forward(__name__)
