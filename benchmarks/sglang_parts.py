@@ -41,8 +41,8 @@ def main() -> int:
 
     import torch
 
-    from hicache_obs.core.spec import ModelSpec
-    from hicache_obs.events.log import EventLog
+    from hicache_obs.core._spec import ModelSpec
+    from hicache_obs.events._log import EventLog
     from hicache_obs.integrations.sglang import Instrumentation
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with

@@ -1,7 +1,7 @@
 """Exporters: sinks that turn the event log into metrics, spans, log lines and traces.
 
 Installed as ``hicache_obs.exporters``; import the one you need, e.g.
-``hicache_obs.exporters.prometheus``. Each is optional and imported lazily (the
+``hicache_obs.exporters._prometheus``. Each is optional and imported lazily (the
 names below resolve on first use, so importing this package pulls in neither
 prometheus_client, opentelemetry nor structlog).
 
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(f"{__name__}._{module}"), name)
 
 
 def __dir__() -> list[str]:

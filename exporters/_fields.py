@@ -1,4 +1,4 @@
-"""How the exporters show an op record (:class:`~hicache_obs.events.lifecycle.OpRecord`).
+"""How the exporters show an op record (:class:`~hicache_obs.events._lifecycle.OpRecord`).
 
 The record's own ``status`` is its phase (``queued``, ``merged``, ``submitted``,
 ``completed``, ``failed``); what the exporters write (the ``status`` of a log line or a
@@ -7,7 +7,7 @@ trace slice) is :func:`export_status`.
 
 from __future__ import annotations
 
-from hicache_obs.events.lifecycle import OpRecord
+from hicache_obs.events._lifecycle import OpRecord
 
 __all__ = ["export_status"]
 

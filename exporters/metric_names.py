@@ -95,7 +95,7 @@ ADDITIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     AUDIT_SAMPLE_RATIO: (GAUGE, ()),
 }
 
-#: Every metric :class:`~hicache_obs.exporters.prometheus.PrometheusSink` exposes.
+#: Every metric :class:`~hicache_obs.exporters._prometheus.PrometheusSink` exposes.
 ALL_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {**DESIGN_METRICS, **ADDITIONS}
 
 HELP: dict[str, str] = {

@@ -1,4 +1,4 @@
-/* The event log's append path in C: hicache_obs.events.log.EventLog subclasses LogCore.
+/* The event log's append path in C: hicache_obs.events._log.EventLog subclasses LogCore.
  *
  * LogCore.emit(cls, /, **fields) does what EventLog.emit documents, without building a
  * keyword dict and without a Python frame:

@@ -9,7 +9,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`); twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
-  of ``hicache_obs/core/transfer.py`` (:data:`copy` is then ``None``).
+  of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
 
 Each piece is the C module when it imports, else its twin (a DEBUG line on the
 ``hicache_obs.native`` logger says why). Two environment variables, read once at import:

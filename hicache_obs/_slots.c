@@ -1,6 +1,6 @@
 /* Which slots of a pool are allocated, and the FIFO order of its free pages, in C.
  *
- * hicache_obs.events.state.SlotTable and AllocMap subclass SlotMap. Every allocation
+ * hicache_obs.events._state.SlotTable and AllocMap subclass SlotMap. Every allocation
  * and free of a live controller, and of a replayed log, passes through it.
  *
  * SlotMap(capacity, page_size=1, track_pages=True)

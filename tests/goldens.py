@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.events.replay import replay
+from hicache_obs.events._replay import replay
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = "tests/data/logs/v1"  # relative to REPO: the outputs name the files read

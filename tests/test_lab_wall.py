@@ -63,12 +63,12 @@ def _imported(path: Path) -> list[str]:
 def test_the_scan_sees_the_product_and_the_lab() -> None:
     product = _product_files()
     names = {_module_name(f) for f in product}
-    assert {"hicache_obs.core.controller", "hicache_obs.integrations.sglang.adapter",
-            "hicache_obs.exporters.prometheus", "hicache_obs.cli.audit"} <= names
+    assert {"hicache_obs.core._controller", "hicache_obs.integrations.sglang._adapter",
+            "hicache_obs.exporters._prometheus", "hicache_obs.cli._audit"} <= names
     assert not any(n.startswith("hicache_obs.lab") for n in names)
     # the scan resolves relative imports: the lab's own modules are seen importing the product
     lab_imports = {m for f in LAB.rglob("*.py") for m in _imported(f)}
-    assert "hicache_obs.core.spec" in lab_imports
+    assert "hicache_obs.core._spec" in lab_imports
 
 
 def test_no_product_module_imports_the_lab() -> None:
@@ -145,3 +145,19 @@ def test_an_old_import_path_warns_and_reads_the_moved_module(old: str) -> None:
     assert {k for k in star if k != "__builtins__"} == set(names)
     with pytest.raises(AttributeError):
         _ = shim.no_such_name_here
+
+
+def test_an_old_module_path_that_is_also_a_package_name_still_calls() -> None:
+    """``hicache_obs.events.replay`` is a function of the package and the old path of its module:
+    importing the old path (which binds the module there) leaves the package's name callable."""
+    code = (
+        "import warnings\nwarnings.simplefilter('ignore')\n"
+        "import hicache_obs.events.replay, hicache_obs.events.audit\n"
+        "from hicache_obs.events import ListSink, audit, replay\n"
+        "from hicache_obs.events.audit import Auditor\n"
+        f"r = replay({str(ROOT / 'tests' / 'data' / 'logs' / 'v2')!r})\n"
+        "print(audit([]), type(r).__name__, Auditor.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "ReplayResult", "Auditor"]

@@ -60,7 +60,7 @@ def test_the_package_reaches_no_private_member_of_another_object() -> None:
         pytest.fail(
             f"{count} private-member accesses (SLF001) in {', '.join(TARGETS)}: reach another module "
             f"through a public method or attribute instead (the log's are listed in "
-            f"hicache_obs/events/log.py).\n{where}"
+            f"hicache_obs/events/_log.py).\n{where}"
         )
 
 

@@ -14,7 +14,7 @@ event counted). A worker thread would cost the controller a GIL hand-over each t
 wakes up, and leave up to an interval's worth of events for the child to handle at close. The feeder's watcher
 thread sleeps without the GIL and acts only when the producer went idle with events
 waiting (after ``interval``, 50 ms) or when queued frames fit into the pipe again.
-``log.add_sink(host)`` still works: a :class:`~hicache_obs.events.sinks.SinkRunner`
+``log.add_sink(host)`` still works: a :class:`~hicache_obs.events._sinks.SinkRunner`
 thread then calls :meth:`SinkHost.handle_batch`, which waits for room in the pipe.
 
 While batches come the child does not wait on the pipe: it reads what the pipe holds every
@@ -44,7 +44,7 @@ The sinks are described, not passed, as JSON-able dicts (the child builds them):
 
 - ``{"sink": "audit"}``: the stream-safety auditor runs in the host instead of inline
   in the controller's process. The host's other sinks get the stream
-  :func:`~hicache_obs.events.audit.audited` gives offline: each ``AuditViolation`` right
+  :func:`~hicache_obs.events._audit.audited` gives offline: each ``AuditViolation`` right
   before the event that revealed it, with that event's ``seq`` and time (metrics, span
   attributes and status, log lines: the same as with an inline auditor), the end-of-log
   findings at close, with the last event's. Violations the parent's log already holds (a
@@ -62,9 +62,8 @@ later batch into a counted error (and drops).
 
 from __future__ import annotations
 
-from .client import SinkHost, SinkHostError
-from .feeder import HostFeeder, add_sink_host
-from .specs import SINK_KINDS
-from .wire import PIPE_BYTES
+from ._client import SinkHost, SinkHostError
+from ._feeder import add_sink_host
+from ._specs import SINK_KINDS
 
-__all__ = ["SinkHost", "SinkHostError", "HostFeeder", "add_sink_host", "SINK_KINDS", "PIPE_BYTES"]
+__all__ = ["add_sink_host", "SinkHost", "SinkHostError", "SINK_KINDS"]

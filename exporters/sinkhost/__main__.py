@@ -2,6 +2,6 @@
 
 import sys
 
-from .child import main
+from ._child import main
 
 sys.exit(main())

@@ -4,11 +4,11 @@ Subcommands, one module each, every one with ``register(subparsers)`` and
 ``run(args) -> int``:
 
 - ``demo``: the synthetic serving workload with every exporter attached (:mod:`hicache_obs.lab.cli.demo`)
-- ``audit``: replay logs and apply the audit rules; exit 1 on violations (:mod:`.audit`)
-- ``inspect``: operations as a tree or a timeline (:mod:`.inspect`)
-- ``export``: Chrome trace / OTLP JSON from a log (:mod:`.export`)
+- ``audit``: replay logs and apply the audit rules; exit 1 on violations (:mod:`._audit`)
+- ``inspect``: operations as a tree or a timeline (:mod:`._inspect`)
+- ``export``: Chrome trace / OTLP JSON from a log (:mod:`._export`)
 - ``bench``: overhead and bandwidth ratios measured side by side (:mod:`hicache_obs.lab.cli.bench`)
-- ``instrument``: run a command with SGLang's controllers instrumented (:mod:`.instrument`)
+- ``instrument``: run a command with SGLang's controllers instrumented (:mod:`._instrument`)
 
 Exit codes: 0 success (clean), 1 violations found, 2 usage error or unreadable
 input, 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM). Errors are one line
@@ -38,15 +38,7 @@ from .. import __version__
 from ..errors import HiCacheError
 from ._common import EXIT_USAGE, CliError, formatter
 
-__all__ = [
-    "main",
-    "build_parser",
-    "COMMANDS",
-    "Terminated",
-    "deferred_interrupts",
-    "EXIT_INTERRUPTED",
-    "EXIT_TERMINATED",
-]
+__all__ = ["main"]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -174,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hicache-obs {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(_LAB_COMMANDS.get(name, f"{__name__}.{name}")).register(sub)
+        importlib.import_module(_LAB_COMMANDS.get(name, f"{__name__}._{name}")).register(sub)
     return parser
 
 

@@ -67,8 +67,8 @@ def _columns() -> int:
 
 def read_log(paths: Sequence[str], **replay_options: Any) -> Any:
     """Replay files or folders of segments (``replay_options``: see
-    :func:`~hicache_obs.events.replay.replay`); any unreadable input becomes a :class:`CliError`."""
-    from ..events.replay import replay
+    :func:`~hicache_obs.events._replay.replay`); any unreadable input becomes a :class:`CliError`."""
+    from ..events._replay import replay
 
     try:
         return replay(list(paths), **replay_options)

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events.schema import (
+from ..events._schema import (
     DIRECTIONS,
     Event,
     PoolCreated,

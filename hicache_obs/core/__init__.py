@@ -1,42 +1,32 @@
-"""The torch side: runtimes, model specs, pools, operations and controllers."""
+"""The torch side: model specs, controllers, operations, write policies and runtimes.
 
-from .controller import ANCHOR, Ack, HiCacheController
-from .hybrid import HybridCacheController
-from .layers import LayerDoneCounter
-from .operations import CacheOperation, PoolTransfer, merge_ops
-from .policy import WRITE_POLICIES, WritePolicy
-from .pools import LAYOUTS, DevicePool, HostPool, SlotAllocator, host_size
-from .runtime import RUNTIME_NAMES, CpuRuntime, CudaRuntime, DeviceEvent, Runtime, make_runtime
-from .sim import SimRuntime, SimTensor
-from .spec import MODEL_PRESETS, ModelSpec, PlaneSpec
-from .transfer import IO_BACKENDS
+The public names are listed in ``__all__``; the modules behind them (``_controller``,
+``_pools``, ``_runtime`` and the rest) are private.
+"""
+
+from ._controller import HiCacheController
+from ._hybrid import HybridCacheController
+from ._layers import LayerDoneCounter
+from ._operations import CacheOperation, PoolTransfer
+from ._policy import WRITE_POLICIES, WritePolicy
+from ._pools import LAYOUTS
+from ._runtime import RUNTIME_NAMES, make_runtime
+from ._spec import MODEL_PRESETS, ModelSpec, PlaneSpec
+from ._transfer import IO_BACKENDS
 
 __all__ = [
-    "ANCHOR",
-    "Ack",
-    "CacheOperation",
-    "CpuRuntime",
-    "CudaRuntime",
-    "DeviceEvent",
-    "DevicePool",
     "HiCacheController",
-    "HostPool",
     "HybridCacheController",
-    "IO_BACKENDS",
-    "LAYOUTS",
-    "LayerDoneCounter",
-    "MODEL_PRESETS",
     "ModelSpec",
     "PlaneSpec",
+    "MODEL_PRESETS",
     "PoolTransfer",
-    "RUNTIME_NAMES",
-    "Runtime",
-    "SimRuntime",
-    "SimTensor",
-    "SlotAllocator",
-    "WRITE_POLICIES",
+    "CacheOperation",
+    "LayerDoneCounter",
     "WritePolicy",
-    "host_size",
+    "WRITE_POLICIES",
+    "LAYOUTS",
+    "IO_BACKENDS",
+    "RUNTIME_NAMES",
     "make_runtime",
-    "merge_ops",
 ]

@@ -1,21 +1,31 @@
-"""Events: the schema, the in-memory log, sinks, and the bookkeeping fold."""
+"""Events: the schema, the log, sinks, the bookkeeping fold, the auditor and replay.
 
-from .log import EventLog, Subscriber
-from .schema import *  # noqa: F403
-from .schema import __all__ as _schema_all
-from .sinks import BatchSink, ListSink, Sink, SinkRunner
-from .state import CacheState, OpState, SlotTable, fold
+The public names are listed in ``__all__`` (every event type of the schema among them); the
+modules behind them (``_schema``, ``_log``, ``_audit`` and the rest) are private.
+"""
+
+from ._audit import RULES, Auditor, Finding, audit, audited
+from ._log import EventLog
+from ._replay import replay
+from ._schema import *  # noqa: F403
+from ._schema import __all__ as _schema_all
+from ._sinks import BatchSink, ListSink, Sink
+from ._state import CacheState, fold
+from ._store import open_store
 
 __all__ = [
     *_schema_all,
     "EventLog",
-    "Subscriber",
     "Sink",
     "BatchSink",
     "ListSink",
-    "SinkRunner",
-    "CacheState",
-    "OpState",
-    "SlotTable",
     "fold",
+    "CacheState",
+    "Auditor",
+    "Finding",
+    "RULES",
+    "audit",
+    "audited",
+    "replay",
+    "open_store",
 ]

@@ -125,12 +125,12 @@ def _timed(fn: Callable[[], Any]) -> float:
 # ---------------------------------------------------------------- events
 def _sample_events(n: int) -> list[Any]:
     """A realistic mix: the events of a hybrid demo workload, repeated to ``n``."""
-    from hicache_obs.events.log import EventLog
+    from hicache_obs.events._log import EventLog
     from hicache_obs.lab.testing import make_controller
     from hicache_obs.lab.workload import Workload
 
     log = EventLog(capacity=None)
-    from hicache_obs.core.spec import ModelSpec
+    from hicache_obs.core._spec import ModelSpec
     from hicache_obs.lab.workload import controller_options
 
     spec = ModelSpec.tiny_hybrid()
@@ -150,10 +150,10 @@ def _sample_events(n: int) -> list[Any]:
 
 
 def bench_events(n: int = 200_000, rounds: int = 5) -> dict[str, Any]:
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.replay import replay
-    from hicache_obs.events.schema import SlotsFreed
-    from hicache_obs.events.store import JsonlStore
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._replay import replay
+    from hicache_obs.events._schema import SlotsFreed
+    from hicache_obs.events._store import JsonlStore
 
     events = _sample_events(n)
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-"))
@@ -272,7 +272,7 @@ def bench_events(n: int = 200_000, rounds: int = 5) -> dict[str, Any]:
 
 # ------------------------------------------------------------- data path
 def _data_spec(page_size: int) -> Any:
-    from hicache_obs.core.spec import ModelSpec
+    from hicache_obs.core._spec import ModelSpec
 
     # large enough items (2 KiB per token, layer and k/v) that copies are memory-bound
     return ModelSpec(name="bench", num_layers=8, num_kv_heads=8, head_dim=128, page_size=page_size)
@@ -281,7 +281,7 @@ def _data_spec(page_size: int) -> Any:
 def bench_data_path(
     tokens: int = 1024, rounds: int = 5, page_sizes: tuple[int, ...] = (1, 16, 64), runtime: str = "cpu"
 ) -> dict[str, Any]:
-    from hicache_obs.core.controller import HiCacheController
+    from hicache_obs.core._controller import HiCacheController
 
     out: dict[str, Any] = {}
     for layout in ("layer_first", "page_first"):
@@ -340,7 +340,7 @@ def bench_data_path(
 
             # the copy kernels alone, on the same pools and slots: what the data path would
             # reach with no controller work around the copies (its ceiling)
-            from hicache_obs.core.transfer import launch_backup, plan_runs
+            from hicache_obs.core._transfer import launch_backup, plan_runs
 
             hp, dp = c.host_pools["kv"], c.device_pools["kv"]
             runs = plan_runs(c.io_backend, host, kv, c.runtime)  # as the controller chooses
@@ -394,7 +394,7 @@ CONFIGS = (
 #: The configurations measured in every profile: (a), (b) and (c).
 PROFILE_CONFIGS = ("events_metrics", "with_otel", "with_durable_log")
 #: The profiles the overhead section measures besides ``audit`` (the section's own figures),
-#: ``sampling`` at :data:`~hicache_obs.profiles.DEFAULT_AUDIT_SAMPLE`.
+#: ``sampling`` at :data:`~hicache_obs._profiles.DEFAULT_AUDIT_SAMPLE`.
 OVERHEAD_PROFILES = ("metrics", "sampling")
 
 
@@ -409,17 +409,17 @@ def _observed_controller(
     process (its violations enter the log), and ``events_metrics_inprocess`` is that
     with the sinks on threads of the controller's process as well.
     """
-    from hicache_obs.events.log import EventLog
+    from hicache_obs.events._log import EventLog
     from hicache_obs.lab.testing import make_controller
 
     log = EventLog(capacity=100_000)
     if config in ("events_metrics_inline_audit", "events_metrics_inprocess"):
-        from hicache_obs.events.audit import Auditor
+        from hicache_obs.events._audit import Auditor
 
         Auditor().attach(log)
     if config == "events_metrics_inprocess":
-        from hicache_obs.exporters.prometheus import PrometheusSink
-        from hicache_obs.exporters.structlog_sink import StructlogSink, make_json_logger
+        from hicache_obs.exporters._prometheus import PrometheusSink
+        from hicache_obs.exporters._structlog_sink import StructlogSink, make_json_logger
 
         log.add_sink(PrometheusSink(log=log))
         log.add_sink(StructlogSink(make_json_logger(io.StringIO())))
@@ -436,7 +436,7 @@ def _observed_controller(
         if config == "with_durable_log":
             specs.append({"sink": "jsonl", "dir": str(out_dir / "log")})
         add_sink_host(log, specs)
-    from hicache_obs.core.spec import ModelSpec
+    from hicache_obs.core._spec import ModelSpec
     from hicache_obs.lab.workload import controller_options
 
     spec = ModelSpec.tiny_hybrid()
@@ -682,8 +682,8 @@ def bench_sglang_here(
     loads of one round's bare (or instrumented) runs. ``device`` ``cuda`` builds SGLang's
     device pools on the GPU (``harness`` and ``kernels`` say what the copies ran on).
     """
-    from hicache_obs.core.spec import ModelSpec
-    from hicache_obs.events.log import EventLog
+    from hicache_obs.core._spec import ModelSpec
+    from hicache_obs.events._log import EventLog
     from hicache_obs.exporters.sinkhost import add_sink_host
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.floor import instrument_floor
@@ -926,9 +926,9 @@ def bench_sglang_profiles_here(
     (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
     host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
     """
-    from hicache_obs.core.spec import ModelSpec
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import OperationQueued, OpsSubmitted
+    from hicache_obs.core._spec import ModelSpec
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._schema import OperationQueued, OpsSubmitted
     from hicache_obs.exporters.sinkhost import add_sink_host
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.deferred import cuda_semantics

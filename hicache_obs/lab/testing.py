@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from hicache_obs.core.controller import ANCHOR, HiCacheController, HybridCacheController
-from hicache_obs.core.operations import CacheOperation
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._controller import ANCHOR, HiCacheController, HybridCacheController
+from hicache_obs.core._operations import CacheOperation
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.errors import ConfigError
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import Event, SlotsFreed, runs_from_list
-from hicache_obs.events.sinks import ListSink
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import Event, SlotsFreed, runs_from_list
+from hicache_obs.events._sinks import ListSink
 
 __all__ = [
     "FAULTS",

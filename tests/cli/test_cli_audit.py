@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
 
 JSON_KEYS = {"files", "events", "torn_lines", "violations"}
 VIOLATION_KEYS = {"rule", "pool", "role", "op", "rank", "detail"}
@@ -117,7 +117,7 @@ def test_two_logs_of_the_same_rank_are_rejected(
 def test_several_ranks_are_audited_together(cli: Any, tmp_path: Path, faulty_demo: tuple[dict[str, Any], Path]) -> None:
     import msgspec
 
-    from hicache_obs.events.schema import AnyEvent
+    from hicache_obs.events._schema import AnyEvent
 
     src = faulty_demo[1] / "events-0-00000.jsonl"
     enc = msgspec.json.Encoder()

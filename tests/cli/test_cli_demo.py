@@ -15,9 +15,9 @@ import pytest
 from audit_counts import violation_counts
 
 from hicache_obs.cli._summary import transfer_totals
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import TransferCompleted
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import TransferCompleted
 
 REQUIRED_KEYS = {
     "steps",

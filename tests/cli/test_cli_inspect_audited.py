@@ -14,8 +14,8 @@ def _stripped(log: Path, target: Path) -> Path:
     import msgspec
 
     from hicache_obs.events import AuditViolation
-    from hicache_obs.events.replay import replay
-    from hicache_obs.events.store import segment_header
+    from hicache_obs.events._replay import replay
+    from hicache_obs.events._store import segment_header
 
     kept = [e for e in replay(log).events if not isinstance(e, AuditViolation)]
     target.mkdir()
@@ -77,8 +77,8 @@ def test_timeline_shows_each_verdict_after_the_completion_that_revealed_it(
 
 def test_timeline_shows_end_of_log_findings_last(cli: Any, tmp_path: Path) -> None:
     from hicache_obs.core import ModelSpec
-    from hicache_obs.events.audit import Auditor
-    from hicache_obs.events.store import open_store
+    from hicache_obs.events._audit import Auditor
+    from hicache_obs.events._store import open_store
     from hicache_obs.lab.testing import make_controller
 
     c = make_controller(ModelSpec.tiny(), device_size=512)

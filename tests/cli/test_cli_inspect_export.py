@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import TransferSubmitted
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import TransferSubmitted
 
 
 @pytest.fixture(autouse=True)
@@ -140,8 +140,8 @@ def _with_outside_findings(tmp_path: Path) -> Path:
     """A clean demo-sized log plus two findings no op owns: a Mamba host free handed indices on
     the GPU, and a free SGLang refused of slots already free."""
     from hicache_obs.core import ModelSpec
-    from hicache_obs.events.schema import FreeRefused, IndicesMisplaced, TensorRef
-    from hicache_obs.events.store import JsonlStore
+    from hicache_obs.events._schema import FreeRefused, IndicesMisplaced, TensorRef
+    from hicache_obs.events._store import JsonlStore
     from hicache_obs.lab.testing import make_controller
 
     c = make_controller(ModelSpec.tiny_hybrid(), device_size=512, io_backend="kernel")

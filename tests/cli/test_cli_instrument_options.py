@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.cli.instrument import child_environment
-from hicache_obs.integrations.sglang import launcher
+from hicache_obs.cli._instrument import child_environment
+from hicache_obs.integrations.sglang import _launcher as launcher
 
 
 def _args(**kw: Any) -> argparse.Namespace:
@@ -50,7 +50,7 @@ class _Rank:
     rank = 1
 
     def __init__(self) -> None:
-        from hicache_obs.events.log import EventLog
+        from hicache_obs.events._log import EventLog
 
         self.log = EventLog()
         self.metrics_url = None
@@ -59,7 +59,7 @@ class _Rank:
 
 @pytest.fixture
 def binds(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
-    from hicache_obs.exporters import metrics_server
+    from hicache_obs.exporters import _metrics_server as metrics_server
 
     seen: list[tuple[str, int]] = []
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.cli.instrument import child_environment
+from hicache_obs._profiles import Profile, Sampler, profile_from_env, resolve_profile
+from hicache_obs.cli._instrument import child_environment
 from hicache_obs.errors import ConfigError
-from hicache_obs.profiles import Profile, Sampler, profile_from_env, resolve_profile
 
 
 def _args(**kw: Any) -> argparse.Namespace:

@@ -128,7 +128,7 @@ def test_bookkeeping_detail_emits_only_what_the_fold_needs() -> None:
     from hicache_obs.core import HiCacheController, ModelSpec
     from hicache_obs.errors import ConfigError
     from hicache_obs.events import IndicesMoved, StreamRecorded, TransferSubmitted
-    from hicache_obs.events.state import fold
+    from hicache_obs.events._state import fold
 
     full = HiCacheController(ModelSpec.tiny(), runtime="sim", device_size=256)
     lean = HiCacheController(ModelSpec.tiny(), runtime="sim", device_size=256, event_detail="bookkeeping")

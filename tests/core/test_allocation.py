@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer, host_size
+from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer
+from hicache_obs.core._pools import host_size
 from hicache_obs.errors import InvalidIndicesError
 from hicache_obs.events import (
     AllocationFailed,
@@ -13,10 +14,10 @@ from hicache_obs.events import (
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
-    SlotTable,
     expand_runs,
     fold,
 )
+from hicache_obs.events._state import SlotTable
 
 HYBRID = ["tiny_hybrid", "tiny_swa"]
 

@@ -18,10 +18,10 @@ import torch
 from test_lying_tensors import _alloc, _bits, _doomed_copies, _fill, _free_node, _load, _read_host, _same, _write
 
 from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer
-from hicache_obs.core.sim import SimEvent, SimRuntime
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import (
+from hicache_obs.core._sim import SimEvent, SimRuntime
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import (
     D2H,
     H2D,
     SlotsFreed,
@@ -30,7 +30,7 @@ from hicache_obs.events.schema import (
     TransferSubmitted,
     expand_runs,
 )
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.exporters._prometheus import PrometheusSink
 
 RUNTIMES = ["cpu", "sim"]
 SPECS = ["tiny", "tiny_hybrid"]

@@ -1,4 +1,4 @@
-"""The controller's rooms: each concept in its module, and the units the split exposes.
+"""The controller's parts: each concept in its module, and the units the split exposes.
 
 ``core/controller.py`` is the facade (the lock, the queues, the public methods); index
 normalisation lives in ``index_moves``, multi-pool allocation in ``allocation``, tensor
@@ -21,19 +21,22 @@ import torch
 
 import hicache_obs.core as core_pkg
 from hicache_obs.core import CacheOperation, HybridCacheController, PoolTransfer
-from hicache_obs.core.allocation import PoolAllocations, resolve_aliases, resolve_allocated
-from hicache_obs.core.describe import describe, dtype_name
-from hicache_obs.core.index_moves import IndexNormaliser
-from hicache_obs.core.submission import index_pairs, slots_by_pool
+from hicache_obs.core._allocation import PoolAllocations, resolve_aliases, resolve_allocated
+from hicache_obs.core._describe import describe, dtype_name
+from hicache_obs.core._index_moves import IndexNormaliser
+from hicache_obs.core._submission import index_pairs, slots_by_pool
 from hicache_obs.errors import UnresolvedTransferError
 from hicache_obs.events import IndicesMoved, SlotsAllocated, SlotsFreed, expand_runs, fold
 
 CORE = Path(core_pkg.__file__).resolve().parent
-ROOMS = (
+#: the package's modules, by concept (``core/_<name>.py``; the modules without ``_`` are
+#: old import paths that forward here)
+MODULES = sorted(p.stem[1:] for p in CORE.glob("_*.py") if p.stem != "__init__")
+PARTS = (
     "controller", "hybrid", "index_moves", "allocation", "describe", "submission", "acks", "closing", "reports", "admission",
 )  # fmt: skip
 
-#: calls that do one concept's work -> the one module (of ROOMS) allowed to make them
+#: calls that do one concept's work -> the one module (of PARTS) allowed to make them
 CONCEPT_CALLS = {
     "argsort": "index_moves",  # the direct backend's pair sort
     "TensorRef": "describe",
@@ -59,7 +62,7 @@ CONCEPT_CALLS = {
 
 
 def _tree(module: str) -> ast.Module:
-    return ast.parse((CORE / f"{module}.py").read_text(encoding="utf-8"))
+    return ast.parse((CORE / f"_{module}.py").read_text(encoding="utf-8"))
 
 
 def _called_names(tree: ast.AST) -> set[str]:
@@ -81,23 +84,23 @@ def _keyword_constants(tree: ast.AST, keyword: str) -> set[object]:
     }
 
 
-@pytest.mark.parametrize("module", ROOMS)
+@pytest.mark.parametrize("module", PARTS)
 def test_each_concepts_calls_are_made_in_its_own_module_only(module: str) -> None:
     called = _called_names(_tree(module))
     misplaced = sorted(
         f"{name} (belongs in {home})" for name, home in CONCEPT_CALLS.items() if name in called and home != module
     )
-    assert misplaced == [], f"core/{module}.py makes another room's calls: {misplaced}"
+    assert misplaced == [], f"core/_{module}.py makes another part's calls: {misplaced}"
 
 
 def test_each_concept_module_makes_its_concepts_calls() -> None:
-    """The layout table above is about code that exists: every call is made in its room."""
+    """The layout table above is about code that exists: every call is made in its part."""
     for name, home in CONCEPT_CALLS.items():
         assert name in _called_names(_tree(home)), f"core/{home}.py no longer calls {name}: update CONCEPT_CALLS"
 
 
 def test_only_the_allocation_module_rolls_back_or_frees_failed_slots() -> None:
-    for module in ROOMS:
+    for module in PARTS:
         reasons = _keyword_constants(_tree(module), "reason") & {"rollback", "failed"}
         assert reasons == ({"rollback", "failed"} if module == "allocation" else set()), module
 
@@ -128,8 +131,8 @@ def _uses_of(name: str) -> list[str]:
             else:
                 visit(child, module, where)
 
-    for path in sorted(CORE.glob("*.py")):
-        visit(_tree(path.stem), path.stem, "<module>")
+    for module in MODULES:
+        visit(_tree(module), module, "<module>")
     return out
 
 
@@ -140,7 +143,7 @@ def _strings(module: str) -> set[str]:
 def test_only_the_closing_module_ends_ops_at_close() -> None:
     """The errors of the ops ``close()`` ends are written in ``closing`` only."""
     marks = ("ended at close", "closed before this op started")
-    where = {m: sorted(p.stem for p in CORE.glob("*.py") if any(m in t for t in _strings(p.stem))) for m in marks}
+    where = {m: sorted(m2 for m2 in MODULES if any(m in t for t in _strings(m2))) for m in marks}
     assert where == {m: ["closing"] for m in marks}
 
 
@@ -154,7 +157,7 @@ def test_only_the_runtimes_reports_emit_stream_records_and_index_moves() -> None
     assert (_uses_of("StreamRecorded"), _uses_of("IndicesMoved")) == (["reports:recorded"], ["reports:moved"])
 
 
-@pytest.mark.parametrize("module", [p.stem for p in sorted(CORE.glob("*.py"))])
+@pytest.mark.parametrize("module", MODULES)
 def test_no_core_module_imports_another_ones_private_names(module: str) -> None:
     """(The package's own private modules, ``.._native``, are its shared seams.)"""
     private = [
@@ -164,21 +167,21 @@ def test_no_core_module_imports_another_ones_private_names(module: str) -> None:
         for alias in node.names
         if alias.name.startswith("_")
     ]
-    assert private == [], f"core/{module}.py imports private names {private}"
+    assert private == [], f"core/_{module}.py imports private names {private}"
 
 
-def test_each_room_imports_on_its_own_first() -> None:
+def test_each_part_imports_on_its_own_first() -> None:
     """Any one of the modules can be the first imported (the hybrid one imports the
     controller, which re-exports it): one fresh import of each, in one interpreter."""
     program = textwrap.dedent(
         f"""
         import importlib, sys
         import torch  # noqa: F401  (kept between rounds: only the package is imported anew)
-        for name in {ROOMS!r}:
+        for name in {PARTS!r}:
             for m in [m for m in sys.modules if m == "hicache_obs" or m.startswith("hicache_obs.")]:
                 del sys.modules[m]
-            mod = importlib.import_module("hicache_obs.core." + name)
-            from hicache_obs.core.controller import HybridCacheController
+            mod = importlib.import_module("hicache_obs.core._" + name)
+            from hicache_obs.core._controller import HybridCacheController
             from hicache_obs.core import HybridCacheController as again
             assert HybridCacheController is again, name
             print(name, mod.__name__)
@@ -186,13 +189,14 @@ def test_each_room_imports_on_its_own_first() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [w for name in ROOMS for w in (name, f"hicache_obs.core.{name}")]
+    assert proc.stdout.split() == [w for name in PARTS for w in (name, f"hicache_obs.core._{name}")]
 
 
 def test_the_hybrid_controller_lives_in_its_module_and_is_exported_from_the_old_paths() -> None:
-    from hicache_obs.core import controller, hybrid
+    from hicache_obs.core import _controller as controller
+    from hicache_obs.core import _hybrid as hybrid
 
-    assert HybridCacheController.__module__ == "hicache_obs.core.hybrid"
+    assert HybridCacheController.__module__ == "hicache_obs.core._hybrid"
     assert controller.HybridCacheController is hybrid.HybridCacheController is core_pkg.HybridCacheController
     assert "HybridCacheController" in controller.__all__
 
@@ -207,9 +211,9 @@ def _tiers(c):
 def test_a_shortage_in_the_last_pool_rolls_back_every_earlier_one_in_reverse(make_controller) -> None:
     c = make_controller(spec="tiny_hybrid", runtime="cpu", device_size=64)
     allocations = PoolAllocations(_tiers(c))
-    room = c.device_pool("mamba").allocator.available()
+    free = c.device_pool("mamba").allocator.available()
     n = len(c.log)
-    got = allocations.take([("kv", "host", 32), ("mamba", "host", 2), ("mamba", "device", room + 1)], op=41)
+    got = allocations.take([("kv", "host", 32), ("mamba", "host", 2), ("mamba", "device", free + 1)], op=41)
     assert got is None
     evs = c.log.events()[n:]
     assert [(type(e).__name__, e.pool, e.tier) for e in evs] == [

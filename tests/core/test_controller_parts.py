@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_obs.core.acks import Ack, InFlightCopy, reap
+from hicache_obs.core._acks import Ack, InFlightCopy, reap
 from hicache_obs.events import expand_runs, fold
-from hicache_obs.events.schema import TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.events._schema import TransferCompleted, TransferFailed, TransferSubmitted
 
 
 class _Event:
@@ -175,7 +175,7 @@ def test_a_refused_index_move_and_a_failed_launch_end_the_op_with_the_same_event
 def test_end_unlaunched_submits_no_tensors_and_hands_back_a_failed_copy_done_at_once(make_controller) -> None:
     """The op's ``TransferSubmitted`` (sizes from the spec) and its copy: finished on the main
     stream, carrying the error and the slots it was given, reaped as its ``TransferFailed``."""
-    from hicache_obs.core.submission import Submissions
+    from hicache_obs.core._submission import Submissions
 
     c = make_controller(spec="tiny_hybrid", runtime="sim")
     emitted = _Emitted()
@@ -213,8 +213,8 @@ def test_end_every_op_reaps_then_cancels_each_direction_and_leaves_nothing_open(
     """A write in flight and a load queued, never started: the write is reaped first, then
     the load is merged alone, submitted with no tensors, reaped failed as cancelled and its
     device slots freed; ``end_unlaunched`` is asked for the load's op, nodes and pools."""
-    from hicache_obs.core.closing import end_every_op
-    from hicache_obs.events.schema import D2H, H2D
+    from hicache_obs.core._closing import end_every_op
+    from hicache_obs.events._schema import D2H, H2D
 
     c = make_controller(spec="tiny", runtime="sim")
     dev = c.alloc_device(16)
@@ -263,9 +263,9 @@ def test_the_runtimes_reports_are_events_only_for_the_call_announced_and_reuse_i
     the one that announced it only, with the description its submission made (the same
     object); a move is an event only when the normaliser is making it."""
     from hicache_obs.core import make_runtime
-    from hicache_obs.core.describe import describe
-    from hicache_obs.core.index_moves import IndexNormaliser
-    from hicache_obs.core.reports import RuntimeReports
+    from hicache_obs.core._describe import describe
+    from hicache_obs.core._index_moves import IndexNormaliser
+    from hicache_obs.core._reports import RuntimeReports
     from hicache_obs.events import EventLog, IndicesMoved, StreamRecorded
 
     rt = make_runtime("sim")
@@ -304,9 +304,9 @@ def test_make_pools_creates_what_a_controller_logs_at_birth(spec: str) -> None:
     """Pools and their ``PoolCreated`` events (device, then host, per pool), the host sized
     from ``host_bytes`` across pools: what a controller with those options holds and logs."""
     from hicache_obs.core import HybridCacheController, ModelSpec, make_runtime
-    from hicache_obs.core.pools import device_sizes, make_pools
+    from hicache_obs.core._pools import device_sizes, make_pools
     from hicache_obs.events import EventLog
-    from hicache_obs.events.state import CacheState
+    from hicache_obs.events._state import CacheState
 
     s = ModelSpec.preset(spec)
     log, state = EventLog(), CacheState()
@@ -335,7 +335,7 @@ def test_make_pools_creates_what_a_controller_logs_at_birth(spec: str) -> None:
 def test_the_configuration_is_checked_in_the_order_the_controller_always_did() -> None:
     """A hybrid model on the plain controller is named before a bad device size."""
     from hicache_obs.core import ModelSpec
-    from hicache_obs.core.validation import check_options
+    from hicache_obs.core._validation import check_options
     from hicache_obs.errors import ConfigError, UnknownLayoutError
 
     hybrid = ModelSpec.preset("tiny_hybrid")
@@ -357,10 +357,10 @@ def test_admission_checks_each_tensor_in_order_then_takes_every_pools_slots_or_n
     new transfers; a runtime that fails to move a load's new slots leaves none taken; a pool
     that is short takes none; a transfer that names the side to allocate is refused."""
     from hicache_obs.core import PoolTransfer
-    from hicache_obs.core.admission import Admission
-    from hicache_obs.core.allocation import PoolAllocations
+    from hicache_obs.core._admission import Admission
+    from hicache_obs.core._allocation import PoolAllocations
     from hicache_obs.errors import InvalidIndicesError
-    from hicache_obs.events.schema import D2H, H2D
+    from hicache_obs.events._schema import D2H, H2D
 
     c = make_controller(spec="tiny_hybrid", runtime="cpu", device_size=64)
     checked: list[tuple[str, str, str]] = []

@@ -13,10 +13,10 @@ from metric_shapes import series_shapes
 from hicache_obs.core import HybridCacheController, ModelSpec
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor
-from hicache_obs.events.schema import IndicesMoved, PoolsSampled, StreamRecorded, TransferSubmitted
+from hicache_obs.events._audit import Auditor
+from hicache_obs.events._schema import IndicesMoved, PoolsSampled, StreamRecorded, TransferSubmitted
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.exporters._prometheus import PrometheusSink
 from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
 

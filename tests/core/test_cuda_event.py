@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_obs.core import SimRuntime
-from hicache_obs.core.runtime import _CudaEvent
+from hicache_obs.core._runtime import _CudaEvent
+from hicache_obs.core._sim import SimRuntime
 
 
 class _TimedEvent:

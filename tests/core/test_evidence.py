@@ -1,7 +1,7 @@
 """Stream records and index moves are what the runtime reports, not what the controller says.
 
 The controller's ``StreamRecorded`` and ``IndicesMoved`` come from the runtime's
-:class:`~hicache_obs.core.runtime.CallObservers`: a controller that asks for a record the
+:class:`~hicache_obs.core._runtime.CallObservers`: a controller that asks for a record the
 runtime never makes is not believed, and the audit sees the tensor as unrecorded.
 """
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_obs.core import HybridCacheController, ModelSpec, PoolTransfer, SimRuntime
+from hicache_obs.core import HybridCacheController, ModelSpec, PoolTransfer
+from hicache_obs.core._sim import SimRuntime
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import EventLog, IndicesMoved, StreamRecorded
-from hicache_obs.events.audit import audit
+from hicache_obs.events._audit import audit
 
 
 class _ForgetfulSim(SimRuntime):

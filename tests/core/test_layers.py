@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_obs.core import LayerDoneCounter, SimRuntime
+from hicache_obs.core import LayerDoneCounter
+from hicache_obs.core._sim import SimRuntime
 from hicache_obs.errors import ConfigError, ProducerSlotBusyError
 
 

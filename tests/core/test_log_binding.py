@@ -7,7 +7,7 @@ import pytest
 from hicache_obs.core import HiCacheController, ModelSpec
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import EventLog, SlotsAllocated
-from hicache_obs.events.state import fold
+from hicache_obs.events._state import fold
 
 
 def test_a_second_open_controller_on_the_same_log_is_refused() -> None:

@@ -22,13 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer, transfer
-from hicache_obs.core.sim import SimEvent, SimRuntime, SimTensor
+from hicache_obs.core import HiCacheController, HybridCacheController, ModelSpec, PoolTransfer
+from hicache_obs.core import _transfer as transfer
+from hicache_obs.core._sim import SimEvent, SimRuntime, SimTensor
 from hicache_obs.errors import InvalidIndicesError
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import D2H, H2D, SlotsFreed, TransferFailed, TransferSubmitted
-from hicache_obs.events.state import fold
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import D2H, H2D, SlotsFreed, TransferFailed, TransferSubmitted
+from hicache_obs.events._state import fold
+from hicache_obs.exporters._prometheus import PrometheusSink
 
 RUNTIMES = ["cpu", "sim"]
 SPECS = ["tiny", "tiny_hybrid"]

@@ -12,7 +12,7 @@ import torch
 
 from hicache_obs import _native
 from hicache_obs.core import HiCacheController, ModelSpec
-from hicache_obs.core.runtime import native_copy_loop
+from hicache_obs.core._runtime import native_copy_loop
 from hicache_obs.errors import RuntimeUnavailableError
 
 copy_runs = native_copy_loop().copy_runs
@@ -143,7 +143,7 @@ def test_the_cpu_controller_moves_fragmented_nodes_bit_exactly(layout: str, page
 
 def test_tensor_pair_runs_equal_the_list_version() -> None:
     """Long index tensors are grouped with numpy; the runs must be those of the Python loop."""
-    from hicache_obs.core.transfer import pair_runs, tensor_pair_runs
+    from hicache_obs.core._transfer import pair_runs, tensor_pair_runs
 
     g = torch.Generator().manual_seed(5)
     for trial in range(200):

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from hicache_obs.core import CacheOperation, HybridCacheController, ModelSpec, PoolTransfer, merge_ops
+from hicache_obs.core import CacheOperation, HybridCacheController, ModelSpec, PoolTransfer
+from hicache_obs.core._operations import merge_ops
 from hicache_obs.errors import ConfigError, UnresolvedTransferError
 from hicache_obs.events import IndicesMoved
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from hicache_obs.core import CpuRuntime, SimRuntime
-from hicache_obs.core.transfer import host_pair_runs, plan_runs, runs_for_copy
+from hicache_obs.core._runtime import CpuRuntime
+from hicache_obs.core._sim import SimRuntime
+from hicache_obs.core._transfer import host_pair_runs, plan_runs, runs_for_copy
 
 
 def _t(values: list[int]) -> torch.Tensor:

@@ -7,8 +7,7 @@ import gc
 import pytest
 import torch
 
-from hicache_obs.core import SimRuntime, SimTensor
-from hicache_obs.core.sim import sim_info
+from hicache_obs.core._sim import SimRuntime, SimTensor, sim_info
 
 
 def _gather(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> None:

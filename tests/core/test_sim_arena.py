@@ -8,8 +8,7 @@ import threading
 
 import torch
 
-from hicache_obs.core import SimRuntime, SimTensor
-from hicache_obs.core.sim import SimArena, SimScheduler, SimTensorInfo, set_sim_info, sim_info
+from hicache_obs.core._sim import SimArena, SimRuntime, SimScheduler, SimTensor, SimTensorInfo, set_sim_info, sim_info
 
 
 def test_a_device_tensor_names_its_block_and_runtime_and_its_views_share_them() -> None:

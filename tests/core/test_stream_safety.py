@@ -16,7 +16,8 @@ import gc
 import pytest
 import torch
 
-from hicache_obs.core import ANCHOR, HybridCacheController
+from hicache_obs.core import HybridCacheController
+from hicache_obs.core._controller import ANCHOR
 from hicache_obs.events import StreamRecorded, fold
 
 
@@ -148,7 +149,7 @@ def _detail_log(spec_name: str, fault: str | None) -> list[object]:
 def test_stream_records_reuse_the_submissions_descriptions_exactly(
     spec_name: str, fault: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hicache_obs.core.reports import RuntimeReports
+    from hicache_obs.core._reports import RuntimeReports
 
     reused = _detail_log(spec_name, fault)
     assert sum(1 for e in reused if e["type"] == "StreamRecorded") > 20  # type: ignore[index]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from hicache_obs.core.torch_compat import TensorBase, no_torch_function, plain_tensor_calls, true_is_cpu
+from hicache_obs.core._torch_compat import TensorBase, no_torch_function, plain_tensor_calls, true_is_cpu
 
 
 class _Loud(torch.Tensor):

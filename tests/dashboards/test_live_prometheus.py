@@ -34,10 +34,10 @@ from dashboard_checks import (
     stop_process,
 )
 
-from hicache_obs.core.spec import ModelSpec
-from hicache_obs.events.audit import Auditor
+from hicache_obs.core._spec import ModelSpec
+from hicache_obs.events._audit import Auditor
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
 from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from hicache_obs.core import HiCacheController, PoolTransfer
-from hicache_obs.events.schema import (
+from hicache_obs.events._schema import (
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,

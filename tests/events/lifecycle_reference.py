@@ -1,4 +1,4 @@
-"""Frozen copies of the two op folds that came before :mod:`hicache_obs.events.lifecycle`:
+"""Frozen copies of the two op folds that came before :mod:`hicache_obs.events._lifecycle`:
 ``projections.lifecycles`` (inspect's) and the exporters' ``OpTable``/``fold_ops``, as they were
 when the one lifecycle replaced them. ``test_lifecycle.py`` checks the new fold against
 them on random workloads, so what the old readers showed stays what the new one shows.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from hicache_obs.events.schema import (
+from hicache_obs.events._schema import (
     AuditViolation,
     Event,
     IndicesMoved,

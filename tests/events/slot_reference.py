@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache_obs.events.schema import Runs, runs_from_list
+from hicache_obs.events._schema import Runs, runs_from_list
 
 
 def _invalid_sample(start: int, length: int) -> list[int]:

@@ -11,8 +11,8 @@ from event_workloads import fill, hybrid_round_trip, run_workload
 
 from hicache_obs.core import ModelSpec, PoolTransfer
 from hicache_obs.events import AuditViolation, TransferSubmitted
-from hicache_obs.events.audit import RULES, Auditor, Finding, audit
-from hicache_obs.events.schema import FreeRefused, IndicesMisplaced, PoolCreated, TensorRef
+from hicache_obs.events._audit import RULES, Auditor, Finding, audit
+from hicache_obs.events._schema import FreeRefused, IndicesMisplaced, PoolCreated, TensorRef
 from hicache_obs.lab.testing import make_controller
 
 
@@ -218,7 +218,7 @@ def test_unrecorded_fault_corrupts_data_that_the_real_controller_keeps() -> None
     "fault", [None, "unrecorded-pool-indices", "unmoved-pool-indices", "use-after-free", "double-free"]
 )
 def test_replay_with_audit_folds_once_and_agrees_with_both(fault: str | None) -> None:
-    from hicache_obs.events.replay import replay
+    from hicache_obs.events._replay import replay
 
     c, auditor = _audited(fault, io_backend="kernel")
     _hybrid_round_trip(c, evict_host_first=fault in ("use-after-free", "double-free"), double_evict=fault == "double-free")
@@ -258,7 +258,7 @@ def test_a_live_auditor_logs_incomplete_operations_at_finish() -> None:
 
 
 def _kernel_write(*refs: tuple[str, str, str], **fields: Any) -> list[Any]:
-    from hicache_obs.events.schema import TensorRef, TransferSubmitted
+    from hicache_obs.events._schema import TensorRef, TransferSubmitted
 
     tensors = tuple(
         TensorRef(pool=p, role=r, device=d, numel=4, dtype="int64", ptr=64 + i)  # type: ignore[arg-type]

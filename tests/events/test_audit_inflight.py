@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from event_workloads import EventList
 
-from hicache_obs.events.audit import Auditor, Finding
-from hicache_obs.events.replay import replay
+from hicache_obs.events._audit import Auditor, Finding
+from hicache_obs.events._replay import replay
 
 
 def _uaf(findings: list[Finding]) -> list[tuple[int, int]]:

@@ -7,9 +7,9 @@ from typing import Any
 
 from event_workloads import EventList
 
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import (
     OperationQueued,
     OperationsMerged,
     PoolCreated,

@@ -11,8 +11,8 @@ from event_workloads import hybrid_round_trip
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import AuditViolation, EventLog, TransferCompleted, TransferSubmitted
-from hicache_obs.events.audit import RULES, Auditor, audit, audit_batch, audited
-from hicache_obs.events.schema import Event, IndicesMisplaced, TensorRef
+from hicache_obs.events._audit import RULES, Auditor, audit, audit_batch, audited
+from hicache_obs.events._schema import Event, IndicesMisplaced, TensorRef
 from hicache_obs.lab.testing import make_controller
 
 
@@ -193,7 +193,7 @@ def test_a_log_without_findings_comes_back_as_it_was() -> None:
 def test_the_committed_v1_log_in_all_three_forms() -> None:
     from goldens import FIXTURE, REPO
 
-    from hicache_obs.events.replay import replay
+    from hicache_obs.events._replay import replay
 
     log = replay(REPO / FIXTURE).events
     logged = [e for e in log if isinstance(e, AuditViolation)]

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from hicache_obs.events import TransferCompleted, TransferFailed, TransferSubmitted
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
 
 WORKER = r"""
 import sys, torch
 from hicache_obs.core import PoolTransfer
 from hicache_obs.events import EventLog
-from hicache_obs.events.store import open_store
+from hicache_obs.events._store import open_store
 from hicache_obs.lab.testing import make_controller
 
 log = EventLog()

@@ -11,13 +11,13 @@ from event_workloads import run_workload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import hicache_obs.events.replay as replay_mod
+import hicache_obs.events._replay as replay_mod
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import LogFormatError, SequenceError
 from hicache_obs.events import Event, EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import MAX_LINE_BYTES, read_file, replay
-from hicache_obs.events.store import open_store
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import MAX_LINE_BYTES, read_file, replay
+from hicache_obs.events._store import open_store
 from hicache_obs.lab.testing import make_controller
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -121,8 +121,8 @@ def test_a_100_mb_torn_last_line_is_reported_not_decoded(tmp_path: Path, valid_l
 
 
 def test_the_read_path_has_no_pickle_or_eval() -> None:
-    import hicache_obs.events.schema as schema_mod
-    import hicache_obs.events.store as store_mod
+    import hicache_obs.events._schema as schema_mod
+    import hicache_obs.events._store as store_mod
 
     for mod in (replay_mod, store_mod, schema_mod):
         src = Path(mod.__file__).read_text()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_obs.events import EventLog, ListSink
-from hicache_obs.events.schema import PoolCreated
+from hicache_obs.events._schema import PoolCreated
 
 
 def _pool(log: EventLog, n: int) -> None:

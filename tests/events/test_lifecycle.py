@@ -1,4 +1,4 @@
-"""The one op lifecycle (:mod:`hicache_obs.events.lifecycle`): its rules (a)-(h) one by one,
+"""The one op lifecycle (:mod:`hicache_obs.events._lifecycle`): its rules (a)-(h) one by one,
 and, on random workloads of the demo controller, agreement with the two folds it replaced
 (frozen in ``lifecycle_reference.py``)."""
 
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from lifecycle_reference import RefOpTable, ref_fold_ops, ref_lifecycles
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.events.audit import Auditor
-from hicache_obs.events.lifecycle import NOT_OP_EVENTS, PHASES, OpLifecycles, OpRecord, Step
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import Auditor
+from hicache_obs.events._lifecycle import NOT_OP_EVENTS, PHASES, OpLifecycles, OpRecord, Step
+from hicache_obs.events._schema import (
     AllocationFailed,
     AuditViolation,
     FreeRefused,

@@ -11,7 +11,7 @@ import pytest
 
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import AllocationFailed, EventLog
-from hicache_obs.events.log import HandoffWake
+from hicache_obs.events._log import HandoffWake
 
 
 def _emit_n(log: EventLog, n: int) -> None:
@@ -180,7 +180,7 @@ def test_a_backfilled_subscriber_gets_the_retained_events_then_the_later_ones() 
 # ------------------------------------------------------- the fold's dispatch
 def test_the_states_handlers_are_the_folds_apply_dispatches_to() -> None:
     from hicache_obs.events import PoolCreated, SlotsFreed
-    from hicache_obs.events.state import HANDLERS, CacheState
+    from hicache_obs.events._state import HANDLERS, CacheState
 
     assert {t.__name__ for t in HANDLERS} == {
         "PoolCreated",

@@ -17,10 +17,10 @@ import msgspec
 from goldens import FIXTURE_V2, REPO, check_fixture_outputs
 
 from hicache_obs.events import AuditViolation
-from hicache_obs.events.audit import audit, audited
-from hicache_obs.events.replay import read_segments, replay
-from hicache_obs.events.schema import LOG_FORMAT_VERSION, READABLE_VERSIONS, TransferCompleted
-from hicache_obs.exporters.structlog_sink import StructlogSink
+from hicache_obs.events._audit import audit, audited
+from hicache_obs.events._replay import read_segments, replay
+from hicache_obs.events._schema import LOG_FORMAT_VERSION, READABLE_VERSIONS, TransferCompleted
+from hicache_obs.exporters._structlog_sink import StructlogSink
 
 SEGMENT = REPO / FIXTURE_V2 / "events-0-00000.jsonl"
 

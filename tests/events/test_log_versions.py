@@ -19,9 +19,9 @@ import pytest
 from goldens import FIXTURE, REPO, check_fixture_outputs
 
 from hicache_obs.errors import LogFormatError, UnsupportedLogVersionError
-from hicache_obs.events.replay import TornLine, read_file, read_segments, replay
-from hicache_obs.events.schema import LOG_FORMAT
-from hicache_obs.events.store import JsonlStore, segment_header
+from hicache_obs.events._replay import TornLine, read_file, read_segments, replay
+from hicache_obs.events._schema import LOG_FORMAT
+from hicache_obs.events._store import JsonlStore, segment_header
 
 V1 = FIXTURE
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hicache_obs._logcore import gap_free_run
 from hicache_obs.errors import SequenceError
 from hicache_obs.events import AllocationFailed
-from hicache_obs.events import replay as rp
+from hicache_obs.events import _replay as rp
 
 
 def _expected(data: bytes, limit: int) -> list[tuple[str, int, bytes]]:

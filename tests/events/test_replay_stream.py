@@ -12,8 +12,8 @@ from event_workloads import run_workload
 from hicache_obs.core import PoolTransfer
 from hicache_obs.errors import LogFormatError, SequenceError
 from hicache_obs.events import EventLog
-from hicache_obs.events import replay as rp
-from hicache_obs.events.store import JsonlStore
+from hicache_obs.events import _replay as rp
+from hicache_obs.events._store import JsonlStore
 from hicache_obs.lab.testing import make_controller
 
 FAULTS = [None, "unrecorded-pool-indices", "use-after-free", "double-free"]

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache_obs._slots import pair_runs_of, runs_of, side_runs
-from hicache_obs.core.transfer import pair_runs, tensor_pair_runs
-from hicache_obs.events.schema import runs_from_list
-from hicache_obs.events.state import AllocMap, SlotTable
+from hicache_obs.core._transfer import pair_runs, tensor_pair_runs
+from hicache_obs.events._schema import runs_from_list
+from hicache_obs.events._state import AllocMap, SlotTable
 
 
 def _runs(cap: int, ps: int) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:

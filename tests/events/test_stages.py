@@ -4,7 +4,7 @@ A stage (``EventLog.add_stage``) sees each event in the producer's thread before
 stored; what it finds is stored first, with the revealing event's time, and the event
 takes the next seq. So every reader of a live log (subscribers, sink runners, feeders,
 the stored log) meets the verdicts on an op before that op's completion, as the offline
-:func:`~hicache_obs.events.audit.audited` stream gives them.
+:func:`~hicache_obs.events._audit.audited` stream gives them.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import pytest
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, SequenceError
 from hicache_obs.events import AuditViolation
-from hicache_obs.events.audit import Auditor, AuditStage, audit, audited
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import AllocationFailed, Event, TransferCompleted, TransferSubmitted
-from hicache_obs.events.sinks import ListSink
+from hicache_obs.events._audit import Auditor, AuditStage, audit, audited
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import AllocationFailed, Event, TransferCompleted, TransferSubmitted
+from hicache_obs.events._sinks import ListSink
 from hicache_obs.lab.testing import FAULTS, make_controller
 from hicache_obs.lab.workload import Workload, controller_options
 

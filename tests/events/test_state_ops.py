@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.events import OpState
-from hicache_obs.events.lifecycle import OpLifecycles, OpRecord
-from hicache_obs.events.schema import (
+from hicache_obs.events._lifecycle import OpLifecycles, OpRecord
+from hicache_obs.events._schema import (
     OperationQueued,
     OperationsMerged,
     PoolCreated,
@@ -17,7 +16,7 @@ from hicache_obs.events.schema import (
     TransferCompleted,
     TransferSubmitted,
 )
-from hicache_obs.events.state import CacheState, fold
+from hicache_obs.events._state import CacheState, OpState, fold
 
 
 def _events(*specs: tuple[type, dict[str, Any]]) -> list[Any]:

@@ -16,8 +16,8 @@ from event_workloads import run_workload
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import LogFormatError, SequenceError
 from hicache_obs.events import EventLog, TransferCompleted
-from hicache_obs.events.replay import read_file, replay
-from hicache_obs.events.store import JsonlStore, open_store
+from hicache_obs.events._replay import read_file, replay
+from hicache_obs.events._store import JsonlStore, open_store
 from hicache_obs.lab.testing import make_controller
 
 SPECS = [ModelSpec.tiny(), ModelSpec.tiny_hybrid()]
@@ -78,7 +78,7 @@ def test_readable_by_another_process_while_written(tmp_path: Path) -> None:
     log.flush()
     n_live = len(log)
     code = (
-        "import sys; from hicache_obs.events.replay import replay; "
+        "import sys; from hicache_obs.events._replay import replay; "
         "r = replay(sys.argv[1]); print(len(r.events))"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)

@@ -14,10 +14,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache_obs.events.audit import Auditor, Finding, audit
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import Auditor, Finding, audit
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import (
     PoolCreated,
     SlotsAllocated,
     SlotsFreed,
@@ -25,7 +25,7 @@ from hicache_obs.events.schema import (
     TransferCompleted,
     TransferSubmitted,
 )
-from hicache_obs.events.store import JsonlStore
+from hicache_obs.events._store import JsonlStore
 
 CAP = 1 << 23
 Spec = list[tuple[type, dict[str, Any]]]
@@ -191,7 +191,7 @@ def test_use_after_free_agrees_with_a_set_reference_with_few_and_many_ops_in_fli
     ),
 )
 def test_the_index_of_slots_in_use_finds_exactly_the_ops_a_free_overlaps(base, ops) -> None:
-    from hicache_obs.events.audit import _InUse, _spans
+    from hicache_obs.events._audit import _InUse, _spans
 
     use, ref = _InUse(), {}
     # `base` ops first (ids 1000...): past 32 of them the tree is used, below 8 dropped again
@@ -210,7 +210,7 @@ def test_the_index_of_slots_in_use_finds_exactly_the_ops_a_free_overlaps(base, o
 def test_ops_that_share_a_run_start_leave_in_any_order() -> None:
     """Many ops in flight from the same slot (the shared leaf's largest end is a heap, rebuilt
     when mostly ops that left): each free finds exactly the ops still in flight it overlaps."""
-    from hicache_obs.events.audit import _InUse, _spans
+    from hicache_obs.events._audit import _InUse, _spans
 
     use = _InUse()
     ends = {op: 1 + (op * 7) % 50 for op in range(200)}  # op uses slots [0, end)

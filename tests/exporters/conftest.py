@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.events.audit import Auditor
+from hicache_obs.events._audit import Auditor
 from hicache_obs.lab.testing import make_controller
 
 

@@ -7,9 +7,9 @@ import json
 
 from exporters_kit import run_workload
 
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import AuditViolation, StreamRecorded, TransferSubmitted
-from hicache_obs.exporters.chrome_trace import ChromeTraceSink, chrome_trace, write_chrome_trace
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import AuditViolation, StreamRecorded, TransferSubmitted
+from hicache_obs.exporters._chrome_trace import ChromeTraceSink, chrome_trace, write_chrome_trace
 
 REQUIRED = ("name", "ph", "ts", "pid", "tid")
 
@@ -81,7 +81,7 @@ def test_trace_of_a_faulty_workload(controller, tmp_path):
 
 
 def test_trace_from_a_replayed_store_equals_the_live_one(controller, tmp_path):
-    from hicache_obs.events.store import open_store
+    from hicache_obs.events._store import open_store
 
     c = controller("tiny")
     open_store(c.log, tmp_path / "log")

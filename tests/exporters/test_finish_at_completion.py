@@ -18,10 +18,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from hicache_obs.events.replay import read_segments
-from hicache_obs.events.schema import AuditViolation, TransferCompleted, TransferFailed
-from hicache_obs.exporters.otel import OtelSpanSink
-from hicache_obs.exporters.structlog_sink import StructlogSink
+from hicache_obs.events._replay import read_segments
+from hicache_obs.events._schema import AuditViolation, TransferCompleted, TransferFailed
+from hicache_obs.exporters._otel import OtelSpanSink
+from hicache_obs.exporters._structlog_sink import StructlogSink
 
 
 def _batches_ending_at_each_completion(events):

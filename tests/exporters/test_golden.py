@@ -5,7 +5,7 @@ holds transfers of two pools, merged loads and audit violations. Each exporter's
 for it is compared byte for byte with the file under ``tests/data/logs/golden/v1/``:
 ``hicache-obs export --chrome-trace`` and ``--otlp-json``, the lines of a
 :class:`StructlogSink` fed the events and the Prometheus text of a :class:`PrometheusSink`
-fed the events (audited: :func:`~hicache_obs.events.audit.audited`). Every timestamp in them comes from the log (no wall clock), and the span
+fed the events (audited: :func:`~hicache_obs.events._audit.audited`). Every timestamp in them comes from the log (no wall clock), and the span
 ids are derived from the log, so the outputs are the same on every run and machine.
 
 A change to any exporter that alters a JSON key, a span attribute, a metric family or a
@@ -27,11 +27,11 @@ from goldens import FIXTURE, REPO, check_golden
 from prometheus_client import generate_latest
 
 from hicache_obs.cli import main
-from hicache_obs.events.audit import audited
-from hicache_obs.events.replay import read_segments
-from hicache_obs.events.schema import Event
-from hicache_obs.exporters.prometheus import PrometheusSink
-from hicache_obs.exporters.structlog_sink import StructlogSink
+from hicache_obs.events._audit import audited
+from hicache_obs.events._replay import read_segments
+from hicache_obs.events._schema import Event
+from hicache_obs.exporters._prometheus import PrometheusSink
+from hicache_obs.exporters._structlog_sink import StructlogSink
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from exporters_kit import parse_exposition, scrape_text, value
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import AllocationFailed, EventLog
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.sinkhost import HostFeeder, SinkHost, SinkHostError, add_sink_host
+from hicache_obs.exporters.sinkhost import SinkHost, SinkHostError, add_sink_host
+from hicache_obs.exporters.sinkhost._feeder import HostFeeder
 
 
 def _emit_n(log: EventLog, n: int) -> None:

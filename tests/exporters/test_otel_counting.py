@@ -7,7 +7,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from hicache_obs.exporters.otel import _CountingExporter
+from hicache_obs.exporters._otel import _CountingExporter
 
 
 class _Inner:

@@ -23,8 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from hicache_obs.core import PoolTransfer
-from hicache_obs.events.schema import AuditViolation, TransferCompleted, TransferSubmitted
-from hicache_obs.exporters.otel import SPAN_ATTRIBUTES, OtelSpanSink, otlp_json
+from hicache_obs.events._schema import AuditViolation, TransferCompleted, TransferSubmitted
+from hicache_obs.exporters._otel import SPAN_ATTRIBUTES, OtelSpanSink, otlp_json
 
 
 # --------------------------------------------------------------- OTLP endpoint

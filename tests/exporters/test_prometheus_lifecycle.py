@@ -3,7 +3,7 @@ for hand-written logs, including ones no correct controller writes."""
 
 from __future__ import annotations
 
-from hicache_obs.events.schema import (
+from hicache_obs.events._schema import (
     OperationQueued,
     OperationsMerged,
     TransferCompleted,
@@ -11,7 +11,7 @@ from hicache_obs.events.schema import (
     TransferSubmitted,
 )
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.exporters._prometheus import PrometheusSink
 
 
 def _q(seq: int, ts: int, op: int) -> OperationQueued:

@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache_obs.errors import ConfigError
-from hicache_obs.events.audit import RULES
-from hicache_obs.events.schema import EVENT_TYPES
+from hicache_obs.events._audit import RULES
+from hicache_obs.events._schema import EVENT_TYPES
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
 
 POOLS = ("kv", "mamba", "swa")
 

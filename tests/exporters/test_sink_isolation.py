@@ -10,7 +10,7 @@ import time
 from exporters_kit import parse_exposition, run_workload, scrape_text, value
 
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
 
 
 class RaisingSink:

@@ -14,8 +14,8 @@ from exporters_kit import parse_exposition, run_workload, scrape_text, value
 
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import AuditViolation
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters.sinkhost import SinkHost, add_sink_host
 
@@ -213,8 +213,8 @@ def test_batches_and_flushes_from_two_threads_never_interleave(controller: Any) 
 
 _EXIT_WITHOUT_CLOSE = """
 import sys
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import AllocationFailed
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import AllocationFailed
 from hicache_obs.exporters.sinkhost import add_sink_host
 
 log = EventLog(rank=2)
@@ -241,8 +241,8 @@ def test_a_hosted_store_is_named_after_the_rank_and_written_at_exit(tmp_path: Pa
 def test_a_hosted_auditor_places_each_verdict_before_its_event_as_offline(controller: Any) -> None:
     """The host's auditor gives its sinks the stream ``audited()`` gives offline: each violation
     right before the event that revealed it, the end-of-log ones last, whatever the batches."""
-    from hicache_obs.events.audit import audited
-    from hicache_obs.exporters.sinkhost.child import HostAudit
+    from hicache_obs.events._audit import audited
+    from hicache_obs.exporters.sinkhost._child import HostAudit
 
     c = controller("tiny_hybrid", fault="unrecorded-pool-indices", audit=False)
     run_workload(c)
@@ -288,15 +288,15 @@ def test_a_parent_that_audits_and_a_hosted_auditor_count_each_violation_once(con
 
 # ------------------------------------------------ how the child reads its frames
 def _frame(kind: bytes, payload: bytes) -> bytes:
-    from hicache_obs.exporters.sinkhost.wire import HEADER
+    from hicache_obs.exporters.sinkhost._wire import HEADER
 
     return HEADER.pack(kind, len(payload)) + payload
 
 
 def _allocation_failures(n: int) -> list[Any]:
     """``n`` events of a log: AllocationFailed with ``requested`` 0 .. n-1."""
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import AllocationFailed
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._schema import AllocationFailed
 
     log = EventLog()
     for i in range(n):
@@ -305,8 +305,8 @@ def _allocation_failures(n: int) -> list[Any]:
 
 
 def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() -> None:
-    from hicache_obs.exporters.sinkhost.child import FrameReader
-    from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
+    from hicache_obs.exporters.sinkhost._child import FrameReader
+    from hicache_obs.exporters.sinkhost._wire import CLOSE, EVENTS, FLUSH
 
     frames = [(EVENTS, b"x" * 300), (FLUSH, b"17"), (EVENTS, b""), (CLOSE, b"")]
     data = b"".join(_frame(k, p) for k, p in frames)
@@ -335,8 +335,8 @@ def test_the_frame_reader_returns_whole_frames_however_the_pipe_splits_them() ->
 
 
 def test_the_frame_reader_holds_about_its_limit_whatever_the_pipe_holds() -> None:
-    from hicache_obs.exporters.sinkhost.child import FrameReader
-    from hicache_obs.exporters.sinkhost.wire import EVENTS
+    from hicache_obs.exporters.sinkhost._child import FrameReader
+    from hicache_obs.exporters.sinkhost._wire import EVENTS
 
     frames = [(EVENTS, bytes([i]) * 300) for i in range(150)]  # 45 KB: the pipe holds them all
     r, w = os.pipe()
@@ -468,7 +468,7 @@ def test_a_host_between_batches_waits_on_its_wake_descriptor_not_on_the_frames_p
     child costs nothing. It handles every batch either way."""
     import time
 
-    from hicache_obs.exporters.sinkhost.child import BUSY_S, IDLE_S, SLEEP_AFTER_S
+    from hicache_obs.exporters.sinkhost._child import BUSY_S, IDLE_S, SLEEP_AFTER_S
 
     c = controller("tiny_hybrid", audit=False)
     # the auditor alone: a child with no other Python thread (a metrics server's would take
@@ -500,7 +500,7 @@ def test_a_child_started_without_a_wake_descriptor_reads_its_pipe_as_it_blocks(t
 
     import msgspec
 
-    from hicache_obs.exporters.sinkhost.wire import CLOSE, EVENTS, FLUSH
+    from hicache_obs.exporters.sinkhost._wire import CLOSE, EVENTS, FLUSH
 
     events = _allocation_failures(300)
     rep_r, rep_w = os.pipe()
@@ -540,7 +540,7 @@ def test_a_child_given_a_wake_descriptor_leaves_its_stdin_blocking_as_it_found_i
     import sys
     import time
 
-    from hicache_obs.exporters.sinkhost.wire import CLOSE
+    from hicache_obs.exporters.sinkhost._wire import CLOSE
 
     in_r, in_w = os.pipe()
     rep_r, rep_w = os.pipe()

@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from hicache_obs.errors import ConfigError
-from hicache_obs.exporters.otel import OtelSpanSink
-from hicache_obs.exporters.structlog_sink import StructlogSink, make_json_logger
+from hicache_obs.exporters._otel import OtelSpanSink
+from hicache_obs.exporters._structlog_sink import StructlogSink, make_json_logger
 
 
 def _lines(buf: io.StringIO) -> list[dict]:

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from hicache_obs.events import EventLog, SlotsFreed
-from hicache_obs.events.replay import read_segments
-from hicache_obs.events.sinks import ListSink
-from hicache_obs.events.store import JsonlStore
+from hicache_obs.events._replay import read_segments
+from hicache_obs.events._sinks import ListSink
+from hicache_obs.events._store import JsonlStore
 
 EMITTERS = 4
 

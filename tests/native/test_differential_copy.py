@@ -1,5 +1,5 @@
 """The cpu runtime's compiled copy loop (``hicache_obs/_copy.c``) against the torch kernels
-it accelerates (``hicache_obs/core/transfer.py``, what the cpu runtime runs when ``copy``
+it accelerates (``hicache_obs/core/_transfer.py``, what the cpu runtime runs when ``copy``
 is pure): on random geometries, layouts, dtypes and runs, every launch (backup, load of
 all layers, load of one layer) leaves the planes bit for bit the same both ways."""
 
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_obs import _copy
-from hicache_obs.core.runtime import CpuRuntime
-from hicache_obs.core.transfer import launch_backup, launch_load_all, launch_load_layer
+from hicache_obs.core._runtime import CpuRuntime
+from hicache_obs.core._transfer import launch_backup, launch_load_all, launch_load_layer
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float64]
 

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from native_kit import run_lines
 
 from hicache_obs import _slots as c_slots
-from hicache_obs.core.torch_compat import to_dlpack
+from hicache_obs.core._torch_compat import to_dlpack
 from hicache_obs.events import _slots_py as py_slots
-from hicache_obs.events.schema import TensorRef
+from hicache_obs.events._schema import TensorRef
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32]
@@ -93,7 +93,7 @@ def test_both_agree_with_each_other_and_with_the_tensor(t: torch.Tensor) -> None
 @SETTINGS
 @given(tensors())
 def test_tensor_ref_and_host_runs_are_what_the_tensors_own_methods_say(t: torch.Tensor) -> None:
-    from hicache_obs.integrations.sglang import describe
+    from hicache_obs.integrations.sglang import _describe as describe
 
     fast = describe.tensor_ref(t, "kv", "host")
     fast_runs = describe.host_runs(t)
@@ -153,7 +153,7 @@ def test_a_tensor_with_no_memory_behind_it_has_no_runs_in_both() -> None:
     for mod in (_slots, _slots_py):
         kind, dev, numel, code, bits, ptr, runs = mod.dlpack_facts(torch._C._to_dlpack(t))
         print(kind, numel, code, bits, runs)
-    from hicache_obs.integrations.sglang import describe
+    from hicache_obs.integrations.sglang import _describe as describe
     show(describe.host_runs, t)
     """
     lines = run_lines(PRELUDE + textwrap.dedent(body))

@@ -194,7 +194,7 @@ def test_after_close_events_stay_in_the_log_reach_no_sink_and_are_counted() -> N
     out = _run("""
         import logging
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        from hicache_obs.events.sinks import ListSink
+        from hicache_obs.events._sinks import ListSink
         log = EventLog()
         got = []
         log.subscribe(lambda e: got.append(e.seq))

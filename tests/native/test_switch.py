@@ -30,14 +30,14 @@ sys.meta_path.insert(0, _Hide({hidden!r}))
 SHOW = """
 import json, logging
 logging.basicConfig(level=logging.DEBUG, format="LOG %(name)s %(message)s")
-import hicache_obs.core, hicache_obs.events, hicache_obs._native as n
-from hicache_obs.events.state import SlotTable
-from hicache_obs.events.log import EventLog
+import hicache_obs.core._runtime, hicache_obs.events, hicache_obs._native as n
+from hicache_obs.events._state import SlotTable
+from hicache_obs.events._log import EventLog
 print(json.dumps({
     "impl": n.IMPLEMENTATIONS,
     "slot_map": SlotTable.__mro__[1].__module__,
     "log_core": EventLog.__mro__[1].__module__,
-    "copies": getattr(hicache_obs.core.CpuRuntime().native_copies, "__name__", None),
+    "copies": getattr(hicache_obs.core._runtime.CpuRuntime().native_copies, "__name__", None),
 }))
 """
 

@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache_obs.core import HybridCacheController, ModelSpec, PoolTransfer
 from hicache_obs.events import TransferCompleted, TransferSubmitted
-from hicache_obs.events.audit import Auditor
-from hicache_obs.events.replay import replay
-from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+from hicache_obs.events._audit import Auditor
+from hicache_obs.events._replay import replay
+from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
 
 THREADS = 4
 ROUNDS = 25

@@ -29,7 +29,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from hicache_obs.cli import main
-from hicache_obs.exporters.metrics_server import start_metrics_server
+from hicache_obs.exporters._metrics_server import start_metrics_server
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = [ROOT / "hicache_obs", ROOT / "exporters"]
@@ -335,15 +335,15 @@ def test_the_only_process_the_library_starts_is_its_own_sink_host() -> None:
         if SPAWNING.search(line)
     ]
     assert hits == [
-        ("exporters/sinkhost/client.py", "self.pid = os.posix_spawn("),
+        ("exporters/sinkhost/_client.py", "self.pid = os.posix_spawn("),
         (
-            "hicache_obs/cli/instrument.py",
+            "hicache_obs/cli/_instrument.py",
             "os.execve(exe, command, env)  # replaces this process: signals and the exit status are COMMAND's",
         ),
     ]
-    launcher = (ROOT / "hicache_obs" / "cli" / "instrument.py").read_text(encoding="utf-8")
+    launcher = (ROOT / "hicache_obs" / "cli" / "_instrument.py").read_text(encoding="utf-8")
     assert "exe = shutil.which(command[0])" in launcher  # the argv the user gave, no shell
-    text = (ROOT / "exporters" / "sinkhost" / "client.py").read_text(encoding="utf-8")
+    text = (ROOT / "exporters" / "sinkhost" / "_client.py").read_text(encoding="utf-8")
     assert (
         'argv = [sys.executable, "-m", "hicache_obs.exporters.sinkhost", "--reply-fd", "3", "--wake-fd", "4"]'
         in text

@@ -36,8 +36,8 @@ import pytest
 from hicache_obs._files import OutputPathError, write_text
 from hicache_obs.cli import main
 from hicache_obs.cli._common import escape_text
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
 from hicache_obs.lab.cli.demo import STORE_MAX_QUEUE
 
 PY = sys.executable
@@ -409,8 +409,8 @@ KILLED_WRITER = r"""
 import mmap, struct, sys, time
 from hicache_obs.lab.cli.demo import STORE_MAX_QUEUE
 from hicache_obs.events import EventLog
-from hicache_obs.events.schema import SlotsFreed
-from hicache_obs.events.store import JsonlStore, open_store
+from hicache_obs.events._schema import SlotsFreed
+from hicache_obs.events._store import JsonlStore, open_store
 
 real = JsonlStore.handle_batch
 def slow(self, events):  # a slow disk: 20 ms a batch, so the producer runs into the bound

@@ -43,8 +43,8 @@ from hicache_obs.errors import (
     UnknownPoolError,
     UnresolvedTransferError,
 )
-from hicache_obs.events.schema import AllocationFailed
-from hicache_obs.events.state import fold
+from hicache_obs.events._schema import AllocationFailed
+from hicache_obs.events._state import fold
 
 FUZZ = settings(
     max_examples=50,

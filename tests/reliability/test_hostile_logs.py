@@ -33,8 +33,8 @@ import pytest
 
 from hicache_obs._native import IMPLEMENTATIONS
 from hicache_obs.cli import main
-from hicache_obs.events.audit import Auditor
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import Auditor
+from hicache_obs.events._schema import (
     MAX_CAPACITY,
     OperationQueued,
     OperationsMerged,
@@ -45,8 +45,8 @@ from hicache_obs.events.schema import (
     TransferCompleted,
     TransferSubmitted,
 )
-from hicache_obs.events.state import MAX_POOLS, MAX_TOTAL_CAPACITY, fold
-from hicache_obs.events.store import segment_name
+from hicache_obs.events._state import MAX_POOLS, MAX_TOTAL_CAPACITY, fold
+from hicache_obs.events._store import segment_name
 
 MiB = 1 << 20
 _enc = msgspec.json.Encoder()
@@ -76,7 +76,7 @@ def _pool(log: _Log, cap: int, tier: str = "device", pool: str = "kv") -> None:
 _CHILD = """
 import json, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from hicache_obs.events.replay import replay
+from hicache_obs.events._replay import replay
 out = {}
 try:
     res = replay(sys.argv[1], audit=True, keep_events=False, states=sys.argv[2] == "states")

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from hicache_obs.errors import ConfigError
-from hicache_obs.exporters.metrics_server import MetricsServer, start_metrics_server
+from hicache_obs.exporters._metrics_server import MetricsServer, start_metrics_server
 
 
 def _registry() -> CollectorRegistry:

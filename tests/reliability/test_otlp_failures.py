@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hicache_obs.core import HybridCacheController, ModelSpec
 from hicache_obs.events import TransferSubmitted
-from hicache_obs.events.state import fold
+from hicache_obs.events._state import fold
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.otel import OtelSpanSink
-from hicache_obs.exporters.prometheus import PrometheusSink, start_metrics_server
+from hicache_obs.exporters._otel import OtelSpanSink
+from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
 from hicache_obs.lab.workload import controller_options, run_workload
 
 STEPS = 200  # ~150 merged operations, so ~150 spans

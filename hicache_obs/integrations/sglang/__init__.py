@@ -9,7 +9,7 @@ SGLang itself is never imported here: the adapter works on the instance it is gi
 """
 
 from ...errors import IntegrationError
-from .adapter import Instrumentation, instrument, instrumentation_of
+from ._adapter import Instrumentation, instrument, instrumentation_of
 
 __all__ = ["Instrumentation", "IntegrationError", "instrument", "instrumentation_of", "SUPPORTED_RELEASES"]
 

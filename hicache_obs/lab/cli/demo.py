@@ -1,8 +1,8 @@
 """``hicache-obs demo``: the synthetic serving workload with the whole pipeline attached.
 
-Builds an :class:`~hicache_obs.events.log.EventLog` and attaches, before the
+Builds an :class:`~hicache_obs.events._log.EventLog` and attaches, before the
 controller exists (so ``PoolCreated`` reaches everything): the durable JSON Lines
-store in ``--out``, the live :class:`~hicache_obs.events.audit.Auditor`, the
+store in ``--out``, the live :class:`~hicache_obs.events._audit.Auditor`, the
 Prometheus sink behind ``/metrics`` on 127.0.0.1, and the OpenTelemetry span sink
 when an OTLP endpoint is given. Then it runs :class:`~hicache_obs.lab.workload.Workload`,
 closes everything, writes ``trace.json`` and prints a summary (``--json``: one
@@ -109,11 +109,11 @@ _port = port_arg()
 
 
 def register(sub: Any) -> None:
-    from hicache_obs.core.policy import WRITE_POLICIES
-    from hicache_obs.core.pools import LAYOUTS
-    from hicache_obs.core.runtime import RUNTIME_NAMES
-    from hicache_obs.core.spec import MODEL_PRESETS
-    from hicache_obs.core.transfer import IO_BACKENDS
+    from hicache_obs.core._policy import WRITE_POLICIES
+    from hicache_obs.core._pools import LAYOUTS
+    from hicache_obs.core._runtime import RUNTIME_NAMES
+    from hicache_obs.core._spec import MODEL_PRESETS
+    from hicache_obs.core._transfer import IO_BACKENDS
     from hicache_obs.lab.testing import FAULTS
 
     p = sub.add_parser(
@@ -254,11 +254,11 @@ def _report_interrupted(opened: dict[str, Any], exc: KeyboardInterrupt) -> None:
 
 
 def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
-    from hicache_obs.core.runtime import make_runtime
-    from hicache_obs.core.spec import ModelSpec
-    from hicache_obs.events.audit import Auditor
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.store import SEGMENT_GLOB, open_store
+    from hicache_obs.core._runtime import make_runtime
+    from hicache_obs.core._spec import ModelSpec
+    from hicache_obs.events._audit import Auditor
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._store import SEGMENT_GLOB, open_store
     from hicache_obs.lab.testing import fault_class, make_controller
     from hicache_obs.lab.workload import Workload, controller_options
 
@@ -344,12 +344,12 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
         wall = time.perf_counter() - t_start
 
         if log.overflowed:  # the in-memory log kept only the newest events: read the store back
-            from hicache_obs.events.replay import replay
+            from hicache_obs.events._replay import replay
 
             events = replay(out).events
         else:
             events = log.events()
-        from hicache_obs.exporters.chrome_trace import write_chrome_trace
+        from hicache_obs.exporters._chrome_trace import write_chrome_trace
 
         trace = out / TRACE_FILE
         write_chrome_trace(events, trace)
@@ -461,8 +461,8 @@ def _server_summary(
 ) -> dict[str, Any]:  # fmt: skip
     """The server demo's summary, from its rank folders."""
     from hicache_obs.cli._summary import transfer_totals
-    from hicache_obs.events.replay import replay
-    from hicache_obs.exporters.chrome_trace import write_chrome_trace
+    from hicache_obs.events._replay import replay
+    from hicache_obs.exporters._chrome_trace import write_chrome_trace
     from hicache_obs.lab.sglang.server_demo import MODEL_KINDS
 
     res = replay(out, audit=True)
@@ -644,8 +644,8 @@ def _prepare_out(out: Path, glob: str) -> None:
 def _start_metrics(log: Any, port: int) -> tuple[str, Any]:
     from prometheus_client import CollectorRegistry
 
-    from hicache_obs.exporters.metrics_server import start_metrics_server
-    from hicache_obs.exporters.prometheus import PrometheusSink
+    from hicache_obs.exporters._metrics_server import start_metrics_server
+    from hicache_obs.exporters._prometheus import PrometheusSink
 
     registry = CollectorRegistry()
     log.add_sink(PrometheusSink(registry, log=log))
@@ -658,7 +658,7 @@ def _start_metrics(log: Any, port: int) -> tuple[str, Any]:
 
 def _attach_otel(log: Any, endpoint: str | None) -> Callable[[], None]:
     """Attach the span sink; returns what shuts its provider down (after the log closed)."""
-    from hicache_obs.exporters.otel import OtelSpanSink
+    from hicache_obs.exporters._otel import OtelSpanSink
 
     if endpoint is None:  # OTEL_EXPORTER_OTLP_ENDPOINT and friends configure the sink's own provider
         log.add_sink(OtelSpanSink(service_name="hicache-obs-demo"))

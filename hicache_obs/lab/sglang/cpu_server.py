@@ -408,7 +408,7 @@ def install() -> None:
         _AFTER[alloc_module] = alloc_patch  # 0.5.10/0.5.11 only: 0.5.23 falls back to torch itself
         for name in _CONTROLLERS:
             _AFTER[name] = _register_after_init
-        from hicache_obs.integrations.sglang.launcher import PatchAfterImport
+        from hicache_obs.integrations.sglang._launcher import PatchAfterImport
 
         if not any(isinstance(f, PatchAfterImport) and f.patch is _patch for f in sys.meta_path):
             sys.meta_path.insert(0, PatchAfterImport({*_BIND_AFTER, *_AFTER}, _patch))

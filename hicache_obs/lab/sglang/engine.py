@@ -12,10 +12,10 @@ log, nothing is computed in their place:
 - allocation, eviction, ``write``, ``load``, ``start_loading``: SGLang's allocators,
   host pools and controller methods, called as SGLang's radix cache calls them;
 - ``poll_writes``/``poll_loads``: finished acks popped off SGLang's ack queues in FIFO
-  order (the radix cache's reaping); each becomes an :class:`~hicache_obs.core.Ack`
+  order (the radix cache's reaping); each becomes an :class:`~hicache_obs.core._controller.Ack`
   whose op id, duration and sizes are those of the ``TransferCompleted`` and
   ``TransferSubmitted`` events the adapter reported for it;
-- ``state``: the fold (:class:`~hicache_obs.events.state.CacheState`) of the
+- ``state``: the fold (:class:`~hicache_obs.events._state.CacheState`) of the
   instrumentation log, subscribed before :func:`instrument` so ``PoolCreated`` is in it;
   a device tier the adapter does not record (on a GPU) answers its free slots from
   SGLang's allocator (``available_size``);
@@ -47,16 +47,16 @@ from typing import Any, cast
 
 import torch
 
-from hicache_obs.core.controller import ANCHOR, Ack, HiCacheController, HybridCacheController
-from hicache_obs.core.operations import PoolTransfer
-from hicache_obs.core.policy import WritePolicy
-from hicache_obs.core.runtime import Runtime
-from hicache_obs.core.spec import ModelSpec, PlaneSpec
-from hicache_obs.core.torch_compat import plain_tensor_calls
+from hicache_obs.core._controller import ANCHOR, Ack, HiCacheController, HybridCacheController
+from hicache_obs.core._operations import PoolTransfer
+from hicache_obs.core._policy import WritePolicy
+from hicache_obs.core._runtime import Runtime
+from hicache_obs.core._spec import ModelSpec, PlaneSpec
+from hicache_obs.core._torch_compat import plain_tensor_calls
 from hicache_obs.errors import ConfigError, IntegrationError
-from hicache_obs.events.lifecycle import OpRecord
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import (
+from hicache_obs.events._lifecycle import OpRecord
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import (
     D2H,
     H2D,
     Event,
@@ -65,8 +65,8 @@ from hicache_obs.events.schema import (
     TransferFailed,
     expand_runs,
 )
-from hicache_obs.events.state import CacheState
-from hicache_obs.integrations.sglang.adapter import Instrumentation, instrument
+from hicache_obs.events._state import CacheState
+from hicache_obs.integrations.sglang._adapter import Instrumentation, instrument
 from hicache_obs.lab.sglang.testing import LayoutRefused, SGLangHarness, build_controller, prepare, sglang_version
 
 __all__ = [

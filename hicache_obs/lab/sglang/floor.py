@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hicache_obs.core.spec import ANCHOR
+from hicache_obs.core._spec import ANCHOR
 from hicache_obs.errors import IntegrationError
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import (
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -46,8 +46,8 @@ from hicache_obs.events.schema import (
     TransferCompleted,
     TransferSubmitted,
 )
-from hicache_obs.integrations.sglang.adapter import Instrumentation
-from hicache_obs.integrations.sglang.record_stream import current
+from hicache_obs.integrations.sglang._adapter import Instrumentation
+from hicache_obs.integrations.sglang._record_stream import current
 
 __all__ = ["PARTS", "FloorInstrumentation", "floor_with", "instrument_floor"]
 

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hicache_obs.core.spec import ModelSpec
-from hicache_obs.core.torch_compat import TensorBase, plain_tensor_calls
+from hicache_obs.core._spec import ModelSpec
+from hicache_obs.core._torch_compat import TensorBase, plain_tensor_calls
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.lab.sglang.kernels.installation import STAND_IN_FLAG
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.lab.sglang.cpu_server import _NoHostRegistration
 from hicache_obs.lab.sglang.testing import (

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hicache_obs.core.controller import Ack, HiCacheController
+from hicache_obs.core._controller import Ack, HiCacheController
 from hicache_obs.lab.workload.radix import Indices, RadixNode
 
 if TYPE_CHECKING:

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from hicache_obs.core.controller import ANCHOR, Ack, HiCacheController, HybridCacheController
-from hicache_obs.core.operations import PoolTransfer
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._controller import ANCHOR, Ack, HiCacheController, HybridCacheController
+from hicache_obs.core._operations import PoolTransfer
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.errors import ConfigError
-from hicache_obs.events.schema import D2H, H2D
+from hicache_obs.events._schema import D2H, H2D
 from hicache_obs.lab.workload.checker import DataChecker
 from hicache_obs.lab.workload.eviction import Evictor
 from hicache_obs.lab.workload.faults import CallerBugs

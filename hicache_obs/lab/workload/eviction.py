@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from hicache_obs.core.controller import HiCacheController
-from hicache_obs.core.policy import WritePolicy
+from hicache_obs.core._controller import HiCacheController
+from hicache_obs.core._policy import WritePolicy
 from hicache_obs.lab.workload.faults import CallerBugs
 from hicache_obs.lab.workload.radix import Indices, RadixNode, RadixTree
 from hicache_obs.lab.workload.stats import WorkloadStats

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache_obs.core.controller import ANCHOR
+from hicache_obs.core._controller import ANCHOR
 
 __all__ = ["Indices", "Data", "DocSlot", "RadixNode", "RadixTree"]
 

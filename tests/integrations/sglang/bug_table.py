@@ -101,7 +101,7 @@ def _counts(found: list[Any]) -> dict[str, dict[str, int]]:
 
 
 def _plain_events(log: Any) -> list[Any]:
-    from hicache_obs.events.schema import AuditViolation
+    from hicache_obs.events._schema import AuditViolation
 
     log.flush()
     return [e for e in log.events() if not isinstance(e, AuditViolation)]
@@ -129,7 +129,7 @@ def _instrumented_hybrid_tree(io_backend: str, layout: str) -> tuple[Any, Any]:
 def _row1(release: str, io_backend: str, layout: str) -> Case | None:
     from test_tree_hybrid import WORKLOAD
 
-    from hicache_obs.events.audit import audit
+    from hicache_obs.events._audit import audit
 
     t, log = _instrumented_hybrid_tree(io_backend, layout)
     if t is None:
@@ -150,7 +150,7 @@ def _row2(release: str, io_backend: str, layout: str) -> Case | None:
 
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
-    from hicache_obs.events.audit import audit
+    from hicache_obs.events._audit import audit
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.tree import build_tree
 
@@ -172,7 +172,7 @@ def _row2(release: str, io_backend: str, layout: str) -> Case | None:
 def _row3(release: str, io_backend: str, layout: str) -> Case | None:
     from test_tree_hybrid import WORKLOAD
 
-    from hicache_obs.events.audit import audit
+    from hicache_obs.events._audit import audit
 
     t, log = _instrumented_hybrid_tree(io_backend, layout)
     if t is None:

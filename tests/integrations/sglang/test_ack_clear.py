@@ -15,10 +15,10 @@ from sglang_env import release_tuple
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.schema import AuditViolation, TransferCompleted, TransferFailed, TransferSubmitted
-from hicache_obs.events.state import CacheState, fold
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._schema import AuditViolation, TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.events._state import CacheState, fold
+from hicache_obs.exporters._prometheus import PrometheusSink
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -11,8 +11,8 @@ from sglang_env import RELEASE, REQUIRED, release_tuple
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import IntegrationError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,
@@ -22,8 +22,8 @@ from hicache_obs.events.schema import (
     TransferSubmitted,
     expanded,
 )
-from hicache_obs.events.state import fold
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.events._state import fold
+from hicache_obs.exporters._prometheus import PrometheusSink
 from hicache_obs.integrations.sglang import instrument, instrumentation_of
 
 pytestmark = pytest.mark.needs_sglang
@@ -94,7 +94,7 @@ def _counts(findings):  # type: ignore[no-untyped-def]
 
 def _observed_log():  # type: ignore[no-untyped-def]
     """A log with the live auditor and a Prometheus sink, as the launcher wires them."""
-    from hicache_obs.events.audit import Auditor
+    from hicache_obs.events._audit import Auditor
 
     log = EventLog()
     Auditor().attach(log)
@@ -217,7 +217,7 @@ def test_detach_restores_the_controller() -> None:
 
 
 def _detach_restores() -> None:
-    from hicache_obs.integrations.sglang.record_stream import RECORDS
+    from hicache_obs.integrations.sglang._record_stream import RECORDS
 
     users = RECORDS.users  # instrumentations of earlier tests not yet collected
     h = _build() if FIXED else _build(io_backend="direct")
@@ -317,7 +317,7 @@ def test_a_failing_log_never_breaks_the_controller() -> None:
 def test_a_copy_hook_that_fails_is_counted_and_the_copy_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading what a pool's copy received runs inside SGLang's copy call: a failure there
     is counted, and the copy itself runs as it would bare (the data arrives)."""
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang import _adapter as adapter
 
     def unreadable(*args: object) -> None:
         raise RuntimeError("the copy's index tensors cannot be read")
@@ -344,7 +344,9 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
 
     from torch.overrides import TorchFunctionMode
 
-    from hicache_obs.integrations.sglang import adapter, describe, record_stream
+    from hicache_obs.integrations.sglang import _adapter as adapter
+    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _record_stream as record_stream
 
     ours = {adapter.__file__, describe.__file__, record_stream.__file__}
     callers: dict[str, int] = {}
@@ -372,7 +374,7 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
 def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading an index tensor's values (allocations, frees, tensor descriptions) may fail
     on a tensor SGLang can use but the adapter cannot read: counted, never raised."""
-    from hicache_obs.integrations.sglang import describe
+    from hicache_obs.integrations.sglang import _describe as describe
 
     h = _build() if FIXED else _build(io_backend="direct")
     inst = instrument(h.controller)

@@ -22,10 +22,10 @@ from sglang_env import RELEASE, release_tuple
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.schema import AuditViolation, SlotsAllocated, SlotsFreed
-from hicache_obs.events.state import fold
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._schema import AuditViolation, SlotsAllocated, SlotsFreed
+from hicache_obs.events._state import fold
+from hicache_obs.exporters._prometheus import PrometheusSink
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

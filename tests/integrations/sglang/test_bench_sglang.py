@@ -101,8 +101,10 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
 
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
-    from hicache_obs.events.schema import SlotsAllocated, SlotsFreed
-    from hicache_obs.integrations.sglang import adapter, describe, instrument, instrumentation_of
+    from hicache_obs.events._schema import SlotsAllocated, SlotsFreed
+    from hicache_obs.integrations.sglang import _adapter as adapter
+    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import instrument, instrumentation_of
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import FloorInstrumentation, instrument_floor
     from hicache_obs.lab.sglang.testing import build_controller
@@ -174,7 +176,7 @@ def test_floor_with_a_part_reads_that_part_with_the_adapters_own_hooks() -> None
     the slots SGLang handed out), the floor's everywhere else (constant op ids)."""
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
-    from hicache_obs.events.schema import SlotsAllocated, SlotsFreed
+    from hicache_obs.events._schema import SlotsAllocated, SlotsFreed
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with
     from hicache_obs.lab.sglang.testing import build_controller

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.core.torch_compat import plain_tensor_calls
+from hicache_obs.core._torch_compat import plain_tensor_calls
 from hicache_obs.events import EventLog
-from hicache_obs.events.schema import SlotsFreed
+from hicache_obs.events._schema import SlotsFreed
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from hicache_obs.integrations.sglang.adapter import _ConversionWatch
+from hicache_obs.integrations.sglang._adapter import _ConversionWatch
 
 
 def _watch(t: torch.Tensor, role: str = "host", failed: list[str] | None = None) -> _ConversionWatch:
@@ -39,7 +39,7 @@ def test_a_role_whose_move_the_op_already_reported_is_not_described_again(monkey
     """A load copies per layer and each layer's copy converts the same indices again: the
     op's first move of a role is reported, the later ones are neither described nor kept
     (the conversion itself still happens)."""
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang import _adapter as adapter
 
     described: list[str] = []
     real = adapter.tensor_ref
@@ -100,7 +100,7 @@ def test_a_method_already_on_the_tensor_is_not_replaced() -> None:
 
 def test_a_description_that_fails_is_counted_and_the_move_still_happens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy's own ``.to()`` returns its tensor even where describing it raises."""
-    from hicache_obs.integrations.sglang import adapter
+    from hicache_obs.integrations.sglang import _adapter as adapter
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no description")

@@ -21,11 +21,11 @@ import torch
 from audit_counts import violation_counts
 from sglang_env import RELEASE, needs_mamba_layout, release_tuple
 
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import StreamRecorded, TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import StreamRecorded, TransferCompleted, TransferFailed, TransferSubmitted
 from hicache_obs.lab.sglang import testing
 
 FIXED = release_tuple() >= (0, 5, 11)
@@ -158,7 +158,7 @@ def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
 @pytest.fixture
 def device_values_unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Index tensors that report CUDA have no readable values, as on a GPU (a read would sync)."""
-    from hicache_obs.integrations.sglang import describe
+    from hicache_obs.integrations.sglang import _describe as describe
 
     real = describe.host_values
     monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
@@ -176,8 +176,8 @@ def _demo_json(capsys: pytest.CaptureFixture[str], out: Path, *options: str) -> 
 
 @pytest.mark.needs_sglang
 def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreadable: None) -> None:
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import PoolCreated, SlotsAllocated, SlotsFreed
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._schema import PoolCreated, SlotsAllocated, SlotsFreed
     from hicache_obs.integrations.sglang import instrument
 
     h = testing.build_controller(ModelSpec.tiny_hybrid(), io_backend="direct")
@@ -202,8 +202,8 @@ def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreada
 @pytest.mark.needs_sglang
 def test_a_free_of_a_write_in_flight_is_seen_where_device_slots_are_hidden(device_values_unreadable: None) -> None:
     """As on a GPU: no device slot is read, and the use after free is seen from the tensor."""
-    from hicache_obs.events.log import EventLog
-    from hicache_obs.events.schema import IndicesFreed
+    from hicache_obs.events._log import EventLog
+    from hicache_obs.events._schema import IndicesFreed
     from hicache_obs.integrations.sglang import instrument
 
     h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel")
@@ -232,7 +232,7 @@ def test_the_demo_drives_the_same_run_when_device_slots_are_hidden(
     if io_backend == "kernel":
         needs_mamba_layout("page_first")  # the demo's hybrid model with the kernel backend
     seen = _demo_json(capsys, tmp_path / "seen", "--io-backend", io_backend)
-    from hicache_obs.integrations.sglang import describe
+    from hicache_obs.integrations.sglang import _describe as describe
 
     real = describe.host_values
     monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
@@ -246,7 +246,7 @@ def test_the_demo_drives_the_same_run_when_device_slots_are_hidden(
 
 @pytest.mark.needs_sglang
 def test_a_write_whose_host_pool_takes_cpu_host_indices_says_so() -> None:
-    from hicache_obs.events.log import EventLog
+    from hicache_obs.events._log import EventLog
     from hicache_obs.integrations.sglang import instrument
 
     # the kernel backend of 0.5.10's hybrid controller refuses every write (SGLang #24121)
@@ -340,7 +340,7 @@ def test_sglang_0_5_10_kernel_copies_on_a_gpu_refuse_the_host_indices(tmp_path: 
 def test_gpu_harness_round_trips_and_names_its_kernels() -> None:
     code = """
 import json, torch
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.integrations.sglang import instrument
 from hicache_obs.lab.sglang.testing import build_controller, kernel_sources
 h = build_controller(ModelSpec.tiny(), device="cuda")
@@ -376,10 +376,10 @@ print(json.dumps({"equal": bool(torch.equal(want, got)), "kv_device": str(h.kv_p
 IN_FLIGHT_FREE = """
 import json
 import torch
-from hicache_obs.core.spec import ModelSpec
+from hicache_obs.core._spec import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import IndicesFreed, SlotsFreed
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import IndicesFreed, SlotsFreed
 from hicache_obs.integrations.sglang import instrument
 from hicache_obs.lab.sglang import testing
 

@@ -20,8 +20,8 @@ from test_tree import BACKENDS, EVICTING, WORKLOAD
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import AuditViolation
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import AuditViolation
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -22,10 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import RELEASE, release_tuple
 
 from hicache_obs.cli import main
-from hicache_obs.core.pools import LAYOUTS
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.core._pools import LAYOUTS
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import TransferCompleted, TransferFailed, TransferSubmitted
 
 REPO = Path(__file__).resolve().parents[3]
 # 0.5.11 and later move and record every pool's indices (PR #22940 and its follow-ups)

@@ -18,10 +18,10 @@ import torch
 from sglang_env import release_tuple, skip_draft_with_the_kernel_backend_on_0_5_17
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.core.torch_compat import plain_tensor_calls
+from hicache_obs.core._torch_compat import plain_tensor_calls
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.schema import AuditViolation, TransferSubmitted
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._schema import AuditViolation, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from sglang_env import RELEASE, release_tuple
 
-from hicache_obs.core.operations import PoolTransfer
-from hicache_obs.core.spec import ModelSpec
-from hicache_obs.events.log import EventLog
-from hicache_obs.events.schema import D2H, H2D, OperationQueued, TransferCompleted, TransferFailed, TransferSubmitted
+from hicache_obs.core._operations import PoolTransfer
+from hicache_obs.core._spec import ModelSpec
+from hicache_obs.events._log import EventLog
+from hicache_obs.events._schema import D2H, H2D, OperationQueued, TransferCompleted, TransferFailed, TransferSubmitted
 
 FIXED = release_tuple() >= (0, 5, 11)
 

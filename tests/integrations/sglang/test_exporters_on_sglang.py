@@ -17,10 +17,10 @@ from sglang_env import release_tuple
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor
-from hicache_obs.events.store import open_store
-from hicache_obs.exporters.chrome_trace import write_chrome_trace
-from hicache_obs.exporters.otel import OtelSpanSink
+from hicache_obs.events._audit import Auditor
+from hicache_obs.events._store import open_store
+from hicache_obs.exporters._chrome_trace import write_chrome_trace
+from hicache_obs.exporters._otel import OtelSpanSink
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -18,8 +18,8 @@ import torch
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.schema import AuditViolation, IndicesFreed
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._schema import AuditViolation, IndicesFreed
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -17,7 +17,7 @@ from otlp_receiver import OtlpReceiver, span_attributes
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_env import hybrid_backend, release_tuple
 
-from hicache_obs.events.replay import replay
+from hicache_obs.events._replay import replay
 
 pytestmark = pytest.mark.needs_sglang
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from hicache_obs.integrations.sglang import launcher
+from hicache_obs.integrations.sglang import _launcher as launcher
 
 TARGET = "sglang.srt.managers.cache_controller"
 

@@ -12,8 +12,8 @@ from sglang_env import release_tuple
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import Auditor, audit
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import Auditor, audit
+from hicache_obs.events._schema import (
     AuditViolation,
     OperationQueued,
     OpsSubmitted,
@@ -22,7 +22,7 @@ from hicache_obs.events.schema import (
     expanded,
 )
 from hicache_obs.exporters import metric_names as m
-from hicache_obs.exporters.prometheus import PrometheusSink
+from hicache_obs.exporters._prometheus import PrometheusSink
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang
@@ -244,8 +244,8 @@ def test_a_metrics_log_reads_back_in_every_command(tmp_path: Any, capsys: pytest
     import json
 
     from hicache_obs.cli import main
-    from hicache_obs.events.replay import replay
-    from hicache_obs.events.store import open_store
+    from hicache_obs.events._replay import replay
+    from hicache_obs.events._store import open_store
 
     h = _harness()
     try:

@@ -396,7 +396,7 @@ def test_two_tensor_parallel_ranks(models: dict[str, Path], tmp_path: Path) -> N
     assert sorted(p.name for p in out.iterdir()) == ["rank-0", "rank-1"]
     report = _audit(out)
     assert report["violations"] == []
-    from hicache_obs.events.replay import replay
+    from hicache_obs.events._replay import replay
 
     res = replay(out)
     assert res.ranks == [0, 1]

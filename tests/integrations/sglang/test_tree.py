@@ -22,9 +22,9 @@ from sglang_env import release_tuple
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import IntegrationError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.replay import replay
-from hicache_obs.events.schema import AuditViolation, SlotsFreed, TransferCompleted, TransferSubmitted
+from hicache_obs.events._audit import audit
+from hicache_obs.events._replay import replay
+from hicache_obs.events._schema import AuditViolation, SlotsFreed, TransferCompleted, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
 from hicache_obs.lab.sglang.server import free_port
 

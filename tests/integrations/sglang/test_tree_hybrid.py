@@ -22,8 +22,8 @@ from sglang_env import RELEASE, mamba_layouts, needs_mamba_layout, release_tuple
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import AuditViolation, TransferFailed, TransferSubmitted
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import AuditViolation, TransferFailed, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

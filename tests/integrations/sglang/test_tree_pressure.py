@@ -19,8 +19,8 @@ from test_tree_hybrid import _seq  # pages of the same size
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import AuditViolation, SlotsFreed
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import AuditViolation, SlotsFreed
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

@@ -29,8 +29,8 @@ from test_tree_hybrid import A1, A2, B1, C1, DEVICE_HITS, LOADED, WORKLOAD
 from hicache_obs.core import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import AuditViolation, TransferSubmitted
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import AuditViolation, TransferSubmitted
 from hicache_obs.integrations.sglang import instrument
 
 pytestmark = pytest.mark.needs_sglang

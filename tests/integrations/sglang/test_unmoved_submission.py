@@ -13,8 +13,8 @@ import pytest
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
-from hicache_obs.events.audit import audit
-from hicache_obs.events.schema import (
+from hicache_obs.events._audit import audit
+from hicache_obs.events._schema import (
     IndicesMoved,
     OperationQueued,
     OperationsMerged,

@@ -10,7 +10,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 
 if os.environ.get("HICACHE_OBS_INSTRUMENT") == "1":
     try:
-        from hicache_obs.integrations.sglang.launcher import install_import_hook
+        from hicache_obs.integrations.sglang._launcher import install_import_hook
 
         install_import_hook()
     except Exception as exc:  # never stop the program over its telemetry

@@ -18,8 +18,8 @@ import msgspec
 
 from hicache_obs.errors import ConfigError, HiCacheError
 
-from .specs import check_specs
-from .wire import CLOSE, EVENTS, F_SETPIPE_SZ, FLUSH, HEADER, PIPE_BYTES
+from ._specs import check_specs
+from ._wire import CLOSE, EVENTS, F_SETPIPE_SZ, FLUSH, HEADER, PIPE_BYTES
 
 __all__ = ["SinkHost", "SinkHostError"]
 
@@ -33,7 +33,7 @@ class SinkHost:
     Two ways to feed it: :func:`add_sink_host` attaches it to a log through a
     :class:`HostFeeder` (batches handed over from the producer's thread, written to the
     pipe without waiting); ``log.add_sink(host)`` runs it behind a
-    :class:`~hicache_obs.events.sinks.SinkRunner` thread instead (``handle_batch`` waits
+    :class:`~hicache_obs.events._sinks.SinkRunner` thread instead (``handle_batch`` waits
     for room in the pipe).
     """
 

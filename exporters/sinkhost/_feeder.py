@@ -10,12 +10,12 @@ import time
 from typing import Any
 
 from hicache_obs.errors import ConfigError
-from hicache_obs.events.log import HandoffWake
-from hicache_obs.events.sinks import report_losses
-from hicache_obs.events.store import close_at_exit
+from hicache_obs.events._log import HandoffWake
+from hicache_obs.events._sinks import report_losses
+from hicache_obs.events._store import close_at_exit
 
-from .client import SinkHost, SinkHostError
-from .specs import check_specs
+from ._client import SinkHost, SinkHostError
+from ._specs import check_specs
 
 __all__ = ["HostFeeder", "add_sink_host"]
 
@@ -29,7 +29,7 @@ class HostFeeder:
     last hand-off) while the producer emits; :meth:`take` encodes them into one frame and
     writes what the pipe takes without waiting. No worker thread runs while the controller works, so the
     controller never waits for the GIL to come back from one. A watcher thread sleeps
-    without the GIL in its :class:`~hicache_obs.events.log.FeederHandle`'s ``wait`` and acts
+    without the GIL in its :class:`~hicache_obs.events._log.FeederHandle`'s ``wait`` and acts
     only when the producer is idle with events waiting, or when frames wait for room in the pipe.
 
     When more than ``max_queue`` events wait for the pipe (a child that does not keep
@@ -243,7 +243,7 @@ def add_sink_host(
     ``batch`` / ``interval``: the log hands events over once that many wait, or once
     that long passed since the last hand-off. The feeder makes the producer wait (up to
     its ``block_timeout``) rather than drop when the host holds a durable store, as
-    :func:`~hicache_obs.events.store.open_store` does, and is closed at exit then.
+    :func:`~hicache_obs.events._store.open_store` does, and is closed at exit then.
     """
     specs = check_specs(sinks)
     for spec in specs:  # a hosted store names its segments after the log's rank

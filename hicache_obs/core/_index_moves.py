@@ -9,7 +9,7 @@ device indices to the CPU.
 an op (the anchor's and each pool transfer's), through the controller's ``move_indices``.
 Nothing here emits: the normaliser says which copy it is making (``expected``) and the
 runtime reports the copy it made to the controller's observer
-(:class:`~hicache_obs.core.reports.RuntimeReports`), which then emits ``IndicesMoved``
+(:class:`~hicache_obs.core._reports.RuntimeReports`), which then emits ``IndicesMoved``
 (an event only because a copy really received the moved tensor).
 """
 
@@ -23,9 +23,9 @@ import torch
 
 from .._native import runs_of
 from ..errors import LengthMismatchError, UnknownBackendError, UnknownLayoutError, UnresolvedTransferError
-from .operations import CacheOperation, PoolTransfer
-from .runtime import Runtime
-from .spec import ANCHOR
+from ._operations import CacheOperation, PoolTransfer
+from ._runtime import Runtime
+from ._spec import ANCHOR
 
 __all__ = ["Expected", "IndexNormaliser", "move_op_indices"]
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from .._native import runs_of, side_runs
-from ..events.schema import TensorRef
-from .operations import CacheOperation
-from .runtime import Runtime
-from .torch_compat import plain_tensor_calls
+from ..events._schema import TensorRef
+from ._operations import CacheOperation
+from ._runtime import Runtime
+from ._torch_compat import plain_tensor_calls
 
 __all__ = ["describe", "dtype_name", "submission_refs"]
 

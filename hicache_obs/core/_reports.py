@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from ..events.log import EventLog
-from ..events.schema import IndicesMoved, StreamRecorded, TensorRef
-from .describe import describe
-from .index_moves import Expected, IndexNormaliser
-from .runtime import Runtime
+from ..events._log import EventLog
+from ..events._schema import IndicesMoved, StreamRecorded, TensorRef
+from ._describe import describe
+from ._index_moves import Expected, IndexNormaliser
+from ._runtime import Runtime
 
 __all__ = ["RuntimeReports"]
 

@@ -26,13 +26,13 @@ from ..errors import (
     UnknownPoolError,
     UnresolvedTransferError,
 )
-from ..events.schema import D2H
-from .operations import PoolTransfer
-from .pools import LAYOUTS, SlotAllocator
-from .runtime import Runtime
-from .spec import ANCHOR, ModelSpec
-from .tensors import subclass_problem, tensor_problem
-from .transfer import IO_BACKENDS
+from ..events._schema import D2H
+from ._operations import PoolTransfer
+from ._pools import LAYOUTS, SlotAllocator
+from ._runtime import Runtime
+from ._spec import ANCHOR, ModelSpec
+from ._tensors import subclass_problem, tensor_problem
+from ._transfer import IO_BACKENDS
 
 __all__ = ["check_index_pair", "check_index_tensor", "check_options", "check_request", "check_transfers"]
 
@@ -48,7 +48,7 @@ def check_options(
     plain: bool,
 ) -> None:
     """A controller's io backend, host layout and sizes; ``plain``: the controller is a
-    :class:`~hicache_obs.core.controller.HiCacheController`, which refuses a hybrid model."""
+    :class:`~hicache_obs.core._controller.HiCacheController`, which refuses a hybrid model."""
     if io_backend not in IO_BACKENDS:
         raise UnknownBackendError(f"unknown io backend {io_backend!r}; expected one of {', '.join(IO_BACKENDS)}")
     if layout not in LAYOUTS:

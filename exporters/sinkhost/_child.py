@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from .specs import check_specs
-from .wire import CLOSE, EVENTS, FLUSH, HEADER, PIPE_BYTES, read_exact
+from ._specs import check_specs
+from ._wire import CLOSE, EVENTS, FLUSH, HEADER, PIPE_BYTES, read_exact
 
 __all__ = ["BUSY_S", "FrameReader", "HostAudit", "IDLE_S", "SLEEP_AFTER_S", "build_sinks", "main"]
 
@@ -50,7 +50,7 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
     by_kind = {s["sink"]: s for s in specs}
     otel = None
     if "otel" in by_kind:
-        from ..otel import OtelSpanSink
+        from .._otel import OtelSpanSink
 
         s = by_kind["otel"]
         exporter: Any = None
@@ -65,7 +65,7 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
         otel = OtelSpanSink(service_name=s.get("service_name", "hicache-obs"), exporter=exporter)
         sinks.append(otel)
     if "prometheus" in by_kind:
-        from ..prometheus import DEFAULT_POOLS, PrometheusSink, start_metrics_server
+        from .._prometheus import DEFAULT_POOLS, PrometheusSink, start_metrics_server
 
         s = by_kind["prometheus"]
         prom = PrometheusSink(pools=s.get("pools", DEFAULT_POOLS))
@@ -74,7 +74,7 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
         ready["prometheus_port"] = port
         sinks.append(prom)
     if "structlog" in by_kind:
-        from ..structlog_sink import StructlogSink
+        from .._structlog_sink import StructlogSink
 
         s = by_kind["structlog"]
         target = s.get("file", "-")
@@ -87,7 +87,7 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
             closers.append(fh.close)
         sinks.append(StructlogSink(file=fh, level=s.get("level", "info"), span_ids=otel))
     if "jsonl" in by_kind:
-        from hicache_obs.events.store import JsonlStore
+        from hicache_obs.events._store import JsonlStore
 
         s = by_kind["jsonl"]
         sinks.append(
@@ -102,13 +102,13 @@ def build_sinks(specs: list[dict[str, Any]]) -> tuple[list[Any], dict[str, Any],
 
 
 class HostAudit:
-    """The auditor in the host: the batches as :func:`~hicache_obs.events.audit.audit_batch`
+    """The auditor in the host: the batches as :func:`~hicache_obs.events._audit.audit_batch`
     makes them, each violation right before the event that revealed it (with that event's seq
     and time), and the log's own violations dropped (this auditor's replace them: none is
     counted twice); the end-of-log ones, at close, with the seq and time of the last event."""
 
     def __init__(self) -> None:
-        from hicache_obs.events.audit import Auditor, audit_batch, audit_end
+        from hicache_obs.events._audit import Auditor, audit_batch, audit_end
 
         self.auditor = Auditor()
         self._audit_batch, self._audit_end = audit_batch, audit_end
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = check_specs(json.loads(args.specs))
         sinks, ready, closers = build_sinks(specs)
-        from hicache_obs.events.schema import AnyEvent
+        from hicache_obs.events._schema import AnyEvent
 
         audit = HostAudit() if any(spec["sink"] == "audit" for spec in specs) else None
         decode = msgspec.msgpack.Decoder(list[AnyEvent]).decode  # type: ignore[valid-type]

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ..events.schema import TransferCompleted, TransferFailed
-from .runtime import DeviceEvent
-from .transfer import CopyFault
+from ..events._schema import TransferCompleted, TransferFailed
+from ._runtime import DeviceEvent
+from ._transfer import CopyFault
 
 __all__ = ["Ack", "Given", "InFlightCopy", "elapsed_ns", "reap"]
 

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from ..errors import UnresolvedTransferError
-from ..events.schema import TensorRef, TransferSubmitted
-from .acks import Given, InFlightCopy
-from .operations import CacheOperation
-from .pools import DevicePool, HostPool
-from .runtime import DeviceEvent, Runtime
-from .spec import ANCHOR, ModelSpec
-from .transfer import (
+from ..events._schema import TensorRef, TransferSubmitted
+from ._acks import Given, InFlightCopy
+from ._operations import CacheOperation
+from ._pools import DevicePool, HostPool
+from ._runtime import DeviceEvent, Runtime
+from ._spec import ANCHOR, ModelSpec
+from ._transfer import (
     CopyFault,
     Runs3,
     check_kernel_indices,

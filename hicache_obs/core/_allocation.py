@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..events.schema import runs_from_list
-from .acks import Given
-from .operations import PoolTransfer
-from .pools import SlotAllocator
-from .spec import ANCHOR
+from ..events._schema import runs_from_list
+from ._acks import Given
+from ._operations import PoolTransfer
+from ._pools import SlotAllocator
+from ._spec import ANCHOR
 
 __all__ = ["PoolAllocations", "Request", "resolve_aliases", "resolve_allocated"]
 

@@ -1,10 +1,10 @@
 """The controller of hybrid models: :class:`HybridCacheController`.
 
 A hybrid model's requests move the anchor (KV) pool and, with it, its Mamba and/or SWA
-pools as :class:`~hicache_obs.core.operations.PoolTransfer` sidecars. Everything but the
+pools as :class:`~hicache_obs.core._operations.PoolTransfer` sidecars. Everything but the
 signatures of ``write``/``load`` and the op-level index move is the
-:class:`~hicache_obs.core.controller.HiCacheController` it extends; it is importable from
-``hicache_obs.core.controller`` and ``hicache_obs.core`` as well.
+:class:`~hicache_obs.core._controller.HiCacheController` it extends; it is importable from
+``hicache_obs.core._controller`` and ``hicache_obs.core`` as well.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .controller import HiCacheController
-from .index_moves import move_op_indices
-from .operations import CacheOperation, PoolTransfer
+from ._controller import HiCacheController
+from ._index_moves import move_op_indices
+from ._operations import CacheOperation, PoolTransfer
 
 __all__ = ["HybridCacheController"]
 

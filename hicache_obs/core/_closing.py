@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ControllerClosedError
-from ..events.schema import OperationsMerged, TransferFailed
-from ..events.state import CacheState
-from .acks import Ack, InFlightCopy, reap
-from .allocation import PoolAllocations
-from .operations import CacheOperation
+from ..events._schema import OperationsMerged, TransferFailed
+from ..events._state import CacheState
+from ._acks import Ack, InFlightCopy, reap
+from ._allocation import PoolAllocations
+from ._operations import CacheOperation
 
 __all__ = ["end_every_op"]
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from ..._native import dlpack_facts, runs_of
-from ...core.torch_compat import no_torch_function, to_dlpack, true_is_cpu
-from ...events.schema import TensorRef
+from ...core._torch_compat import no_torch_function, to_dlpack, true_is_cpu
+from ...events._schema import TensorRef
 
 __all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_meta", "tensor_ref"]
 

@@ -2,7 +2,7 @@
 
 :meth:`Admission.admit` checks a request (its priority and node id, its pool transfers,
 each index tensor it hands over), takes the slots of the other side in the anchor's pool
-and in every transfer's at once (:class:`~hicache_obs.core.allocation.PoolAllocations`:
+and in every transfer's at once (:class:`~hicache_obs.core._allocation.PoolAllocations`:
 none taken when one pool is short) and makes the op to queue, with the new slots in new
 pool transfers (the caller's are never changed). A failure once the slots are taken
 gives them back (``reason="rollback"``) and raises: nothing is queued. The controller
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from ..errors import InvalidIndicesError
-from ..events.schema import D2H
-from .allocation import PoolAllocations, resolve_aliases, resolve_allocated
-from .operations import CacheOperation, PoolTransfer
-from .runtime import Runtime
-from .spec import ANCHOR, ModelSpec
-from .validation import check_request, check_transfers
+from ..events._schema import D2H
+from ._allocation import PoolAllocations, resolve_aliases, resolve_allocated
+from ._operations import CacheOperation, PoolTransfer
+from ._runtime import Runtime
+from ._spec import ANCHOR, ModelSpec
+from ._validation import check_request, check_transfers
 
 __all__ = ["Admission"]
 
