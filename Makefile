@@ -57,7 +57,7 @@ bench: $(STAMP)
 	$(VENV)/bin/hicache-obs bench
 
 clean:
-	rm -rf $(VENV) hicache-demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) hicache-demo build .pytest_cache .mypy_cache .ruff_cache
 
 # SGLang test environments, for tests/integrations/sglang only: one per release in
 # SGLANG_RELEASES, each a small venv at $(SGLANG_DIR)/<release>/ (its python:

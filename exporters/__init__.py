@@ -1,16 +1,15 @@
 """Exporters: sinks that turn the event log into metrics, spans, log lines and traces.
 
-Installed as ``hicache_obs.exporters``; import the one you need, e.g.
-``hicache_obs.exporters._prometheus``. Each is optional and imported lazily (the
-names below resolve on first use, so importing this package pulls in neither
-prometheus_client, opentelemetry nor structlog).
+Installed as ``hicache_obs.exporters``; import the sinks from here. Each is optional and
+imported lazily (the names below resolve on first use, so importing this package pulls in
+neither prometheus_client, opentelemetry nor structlog).
 
 - :mod:`.metric_names`: metric name constants and ``ALL_METRICS``
-- :mod:`.prometheus`: :class:`PrometheusSink`, :func:`start_metrics_server`
-- :mod:`.otel`: :class:`OtelSpanSink`, :func:`otlp_json`
-- :mod:`.structlog_sink`: :class:`StructlogSink`, :func:`make_json_logger`
-- :mod:`.chrome_trace`: :func:`~.chrome_trace.chrome_trace`, :func:`write_chrome_trace`, :class:`ChromeTraceSink`
-  (the function ``chrome_trace`` is not re-exported here: the name is its module's)
+- :class:`PrometheusSink`, :func:`start_metrics_server`, :func:`stop_metrics_server`
+- :class:`OtelSpanSink`, :func:`otlp_json`
+- :class:`StructlogSink`, :func:`make_json_logger`
+- :class:`ChromeTraceSink`, :func:`write_chrome_trace`
+- :mod:`.sinkhost`: :func:`~.sinkhost.add_sink_host`, sinks in a process of their own
 
 Every sink is attached with ``log.add_sink(sink)``: it then runs on a worker
 thread behind a bounded queue, and its errors and drops are counted, never raised

@@ -161,3 +161,39 @@ def test_an_old_module_path_that_is_also_a_package_name_still_calls() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]", "ReplayResult", "Auditor"]
+
+
+def test_a_submodule_of_a_moved_package_forwards_and_is_never_a_second_copy() -> None:
+    from hicache_obs.lab.sglang.kernels import installation
+    from hicache_obs.lab.workload import driver
+
+    for old, new in (("hicache_obs.workload.driver", driver), ("hicache_obs.integrations.sglang.kernels.installation", installation)):
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(f"import {old}", __file__, "exec"), {})
+        shim = sys.modules[old]
+        assert f"{old} moved to {new.__name__}; the old import path is kept for one release" in [
+            str(w.message) for w in caught
+        ]
+        assert shim is not new and all(getattr(shim, n) is getattr(new, n) for n in shim.__all__)
+        # nothing of the new module was loaded a second time under the old name
+        assert not any(type(v).__module__ == old for v in vars(shim).values() if isinstance(v, type))
+
+
+@pytest.mark.parametrize(
+    ("package", "name", "module"),
+    [("hicache_obs.core", "SimRuntime", "hicache_obs.core._sim"), ("hicache_obs.events", "SlotTable", "hicache_obs.events._state"),
+     ("hicache_obs.exporters.sinkhost", "HostFeeder", "hicache_obs.exporters.sinkhost._feeder")],
+)  # fmt: skip
+def test_a_name_that_left_a_packages_all_still_reads_with_a_warning(package: str, name: str, module: str) -> None:
+    pkg = importlib.import_module(package)
+    assert name not in pkg.__all__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = getattr(pkg, name)
+    assert got is getattr(importlib.import_module(module), name)
+    assert [str(w.message) for w in caught] == [
+        f"{package}.{name} moved to {module}.{name}; the old import path is kept for one release"
+    ]
+    assert not hasattr(pkg, "NoSuchName")

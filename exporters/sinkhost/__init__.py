@@ -62,8 +62,12 @@ later batch into a counted error (and drops).
 
 from __future__ import annotations
 
+from ..._moved import package_getattr
 from ._client import SinkHost, SinkHostError
 from ._feeder import add_sink_host
 from ._specs import SINK_KINDS
 
 __all__ = ["add_sink_host", "SinkHost", "SinkHostError", "SINK_KINDS"]
+
+#: names that left ``__all__``: still read from here for one release, with a warning
+__getattr__ = package_getattr(__name__, {"HostFeeder": "_feeder", "PIPE_BYTES": "_wire"})

@@ -4,6 +4,7 @@ The public names are listed in ``__all__``; the modules behind them (``_controll
 ``_pools``, ``_runtime`` and the rest) are private.
 """
 
+from .._moved import package_getattr
 from ._controller import HiCacheController
 from ._hybrid import HybridCacheController
 from ._layers import LayerDoneCounter
@@ -30,3 +31,11 @@ __all__ = [
     "RUNTIME_NAMES",
     "make_runtime",
 ]
+
+#: names that left ``__all__``: still read from here for one release, with a warning
+__getattr__ = package_getattr(__name__, {
+    "ANCHOR": "_controller", "Ack": "_controller", "CpuRuntime": "_runtime", "CudaRuntime": "_runtime",
+    "DeviceEvent": "_runtime", "Runtime": "_runtime", "DevicePool": "_pools", "HostPool": "_pools",
+    "SlotAllocator": "_pools", "host_size": "_pools", "SimRuntime": "_sim", "SimTensor": "_sim",
+    "merge_ops": "_operations",
+})  # fmt: skip

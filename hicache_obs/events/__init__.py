@@ -4,6 +4,7 @@ The public names are listed in ``__all__`` (every event type of the schema among
 modules behind them (``_schema``, ``_log``, ``_audit`` and the rest) are private.
 """
 
+from .._moved import package_getattr
 from ._audit import RULES, Auditor, Finding, audit, audited
 from ._log import EventLog
 from ._replay import replay
@@ -29,3 +30,8 @@ __all__ = [
     "replay",
     "open_store",
 ]
+
+#: names that left ``__all__``: still read from here for one release, with a warning
+__getattr__ = package_getattr(
+    __name__, {"Subscriber": "_log", "SinkRunner": "_sinks", "OpState": "_state", "SlotTable": "_state"}
+)

@@ -1,6 +1,11 @@
 """Moved to :mod:`hicache_obs.integrations.sglang._adapter`; this path still works, with a ``DeprecationWarning``, for one
 release."""
 
+from typing import TYPE_CHECKING
+
 from hicache_obs._moved import forward
+
+if TYPE_CHECKING:
+    from hicache_obs.integrations.sglang._adapter import *  # noqa: F403
 
 forward(__name__)

@@ -1,0 +1,11 @@
+"""Moved to :mod:`hicache_obs.core._reports`; this path still works, with a ``DeprecationWarning``, for one
+release."""
+
+from typing import TYPE_CHECKING
+
+from hicache_obs._moved import forward
+
+if TYPE_CHECKING:
+    from hicache_obs.core._reports import *  # noqa: F403
+
+forward(__name__)

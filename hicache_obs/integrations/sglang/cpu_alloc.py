@@ -1,0 +1,11 @@
+"""Moved to :mod:`hicache_obs.lab.sglang.cpu_alloc`; this path still works, with a ``DeprecationWarning``, for one
+release."""
+
+from typing import TYPE_CHECKING
+
+from hicache_obs._moved import forward
+
+if TYPE_CHECKING:
+    from hicache_obs.lab.sglang.cpu_alloc import *  # noqa: F403
+
+forward(__name__)
