@@ -95,8 +95,10 @@ MOVED: dict[str, str] = {
 }
 
 
-def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} moved to {new}; the old import path is kept for one release", DeprecationWarning, stacklevel=4)
+def _warn(old: str, new: str, stacklevel: int) -> None:
+    """The one warning of every old path; ``stacklevel`` as the caller would give it."""
+    message = f"{old} moved to {new}; the old import path is kept for one release"
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel + 1)
 
 
 def _new_path(old: str) -> str | None:
@@ -148,7 +150,7 @@ def _bind(shim: ModuleType, old: str, target: ModuleType) -> None:
 def forward(old: str) -> None:
     """Make the module ``old`` (being imported) read every name from its new module."""
     new = MOVED[old]
-    _warn(old, new)
+    _warn(old, new, stacklevel=3)  # this function, the old module's body, the importing line
     _bind(sys.modules[old], old, importlib.import_module(new))
 
 
@@ -158,11 +160,8 @@ class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname in MOVED or _new_path(fullname) is None:
-            return None
-        new = _new_path(fullname)
-        assert new is not None
-        if importlib.util.find_spec(new) is None:
+        new = None if fullname in MOVED else _new_path(fullname)
+        if new is None or importlib.util.find_spec(new) is None:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
@@ -172,11 +171,7 @@ class _Submodules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         new = _new_path(module.__name__)
         assert new is not None
-        warnings.warn(
-            f"{module.__name__} moved to {new}; the old import path is kept for one release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        _warn(module.__name__, new, stacklevel=2)
         _bind(module, module.__name__, importlib.import_module(new))
 
 
@@ -187,11 +182,7 @@ def package_getattr(package: str, left: dict[str, str]) -> Callable[[str], Any]:
     def read(name: str) -> Any:
         if name in left:
             where = f"{package}.{left[name]}"
-            warnings.warn(
-                f"{package}.{name} moved to {where}.{name}; the old import path is kept for one release",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            _warn(f"{package}.{name}", f"{where}.{name}", stacklevel=2)
             return getattr(importlib.import_module(where), name)
         if f"{package}.{name}" in MOVED:
             return importlib.import_module(f"{package}.{name}")
