@@ -7,7 +7,7 @@ Each old path is a short module that calls :func:`forward`: importing it warns
 from it, ``from old import *`` included. Where the new module is a package, the old path's
 submodules forward too (``hicache_obs.workload.driver``). Names that left a package's
 ``__all__`` still read from the package, with the same warning (:func:`package_getattr`).
-All of them are kept for one release.
+All of them are kept for one release, but for the paths of :data:`KEPT`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 #: old import path -> where the module is now
 MOVED: dict[str, str] = {
     "hicache_obs.bench": "hicache_obs.lab.bench",
-    "hicache_obs.testing": "hicache_obs.lab.testing",
     "hicache_obs.workload": "hicache_obs.lab.workload",
     "hicache_obs.cli.demo": "hicache_obs.lab.cli.demo",
     "hicache_obs.cli.bench": "hicache_obs.lab.cli.bench",
@@ -94,6 +93,9 @@ MOVED: dict[str, str] = {
     "hicache_obs.profiles": "hicache_obs._profiles",
 }
 
+#: old paths that stay, without a warning: users know the SGLang test support by this one
+KEPT = frozenset({"hicache_obs.integrations.sglang.testing"})
+
 
 def _warn(old: str, new: str, stacklevel: int) -> None:
     """The one warning of every old path; ``stacklevel`` as the caller would give it."""
@@ -150,7 +152,8 @@ def _bind(shim: ModuleType, old: str, target: ModuleType) -> None:
 def forward(old: str) -> None:
     """Make the module ``old`` (being imported) read every name from its new module."""
     new = MOVED[old]
-    _warn(old, new, stacklevel=3)  # this function, the old module's body, the importing line
+    if old not in KEPT:
+        _warn(old, new, stacklevel=3)  # this function, the old module's body, the importing line
     _bind(sys.modules[old], old, importlib.import_module(new))
 
 

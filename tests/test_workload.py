@@ -9,12 +9,12 @@ import torch
 
 import hicache_obs.lab.workload as workload
 from hicache_obs.core import ModelSpec
-from hicache_obs.lab.testing import FAULTS, make_controller
 from hicache_obs.lab.workload import MAX_LISTED_CORRUPTIONS, Corruption, Workload, WorkloadStats, controller_options
 from hicache_obs.lab.workload.checker import DataChecker, bits
 from hicache_obs.lab.workload.eviction import device_victim, host_victim
 from hicache_obs.lab.workload.faults import CALLER_FAULTS, CallerBugs
 from hicache_obs.lab.workload.radix import DocSlot, RadixNode, RadixTree
+from hicache_obs.testing import FAULTS, make_controller
 
 
 # ---------------------------------------------------------------- package

@@ -1,8 +1,6 @@
 """The lab: what drives, measures and stands in for the product, never part of it.
 
 - :mod:`hicache_obs.lab.workload`: the synthetic prefix-reuse serving workload;
-- :mod:`hicache_obs.lab.testing`: small builders and checks for tests of the library's
-  controllers;
 - :mod:`hicache_obs.lab.bench`: the performance ratios behind ``hicache-obs bench``;
 - :mod:`hicache_obs.lab.sglang`: SGLang on a CPU (its controllers, its tree cache and its
   HTTP server with stand-ins for the CUDA kernels) and the bench's bare floor;

@@ -126,8 +126,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 def _sample_events(n: int) -> list[Any]:
     """A realistic mix: the events of a hybrid demo workload, repeated to ``n``."""
     from hicache_obs.events._log import EventLog
-    from hicache_obs.lab.testing import make_controller
     from hicache_obs.lab.workload import Workload
+    from hicache_obs.testing import make_controller
 
     log = EventLog(capacity=None)
     from hicache_obs.core._spec import ModelSpec
@@ -410,7 +410,7 @@ def _observed_controller(
     with the sinks on threads of the controller's process as well.
     """
     from hicache_obs.events._log import EventLog
-    from hicache_obs.lab.testing import make_controller
+    from hicache_obs.testing import make_controller
 
     log = EventLog(capacity=100_000)
     if config in ("events_metrics_inline_audit", "events_metrics_inprocess"):

@@ -14,8 +14,8 @@ import torch
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import EventLog
 from hicache_obs.events._store import open_store
-from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
+from hicache_obs.testing import make_controller
 
 
 def _log_without_auditor(out: Path) -> None:

@@ -79,7 +79,7 @@ def test_timeline_shows_end_of_log_findings_last(cli: Any, tmp_path: Path) -> No
     from hicache_obs.core import ModelSpec
     from hicache_obs.events._audit import Auditor
     from hicache_obs.events._store import open_store
-    from hicache_obs.lab.testing import make_controller
+    from hicache_obs.testing import make_controller
 
     c = make_controller(ModelSpec.tiny(), device_size=512)
     store = open_store(c.log, tmp_path / "log")

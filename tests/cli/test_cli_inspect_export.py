@@ -142,7 +142,7 @@ def _with_outside_findings(tmp_path: Path) -> Path:
     from hicache_obs.core import ModelSpec
     from hicache_obs.events._schema import FreeRefused, IndicesMisplaced, TensorRef
     from hicache_obs.events._store import JsonlStore
-    from hicache_obs.lab.testing import make_controller
+    from hicache_obs.testing import make_controller
 
     c = make_controller(ModelSpec.tiny_hybrid(), device_size=512, io_backend="kernel")
     kv = c.alloc_device(32)

@@ -17,8 +17,8 @@ from hicache_obs.events._audit import Auditor
 from hicache_obs.events._schema import IndicesMoved, PoolsSampled, StreamRecorded, TransferSubmitted
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters._prometheus import PrometheusSink
-from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
+from hicache_obs.testing import make_controller
 
 PROFILES = ("audit", "metrics", "sampling")
 

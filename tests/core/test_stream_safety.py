@@ -124,8 +124,8 @@ def _detail_log(spec_name: str, fault: str | None) -> list[object]:
 
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
-    from hicache_obs.lab.testing import make_controller
     from hicache_obs.lab.workload import Workload, controller_options
+    from hicache_obs.testing import make_controller
 
     spec = ModelSpec.preset(spec_name)
     log = EventLog(capacity=None)

@@ -38,8 +38,8 @@ from hicache_obs.core._spec import ModelSpec
 from hicache_obs.events._audit import Auditor
 from hicache_obs.exporters import metric_names as m
 from hicache_obs.exporters._prometheus import PrometheusSink, start_metrics_server
-from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
+from hicache_obs.testing import make_controller
 
 FAULT = "unrecorded-pool-indices"
 JOB = "hicache"  # the job name of dashboards/prometheus.yml

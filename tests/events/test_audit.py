@@ -13,7 +13,7 @@ from hicache_obs.core import ModelSpec, PoolTransfer
 from hicache_obs.events import AuditViolation, TransferSubmitted
 from hicache_obs.events._audit import RULES, Auditor, Finding, audit
 from hicache_obs.events._schema import FreeRefused, IndicesMisplaced, PoolCreated, TensorRef
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 
 def _audited(fault: str | None, spec: ModelSpec | None = None, **kw):

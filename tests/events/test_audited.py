@@ -13,7 +13,7 @@ from hicache_obs.core import ModelSpec
 from hicache_obs.events import AuditViolation, EventLog, TransferCompleted, TransferSubmitted
 from hicache_obs.events._audit import RULES, Auditor, audit, audit_batch, audited
 from hicache_obs.events._schema import Event, IndicesMisplaced, TensorRef
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 
 def _unfinished_write(c: Any) -> None:

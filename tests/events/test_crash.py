@@ -20,7 +20,7 @@ import sys, torch
 from hicache_obs.core import PoolTransfer
 from hicache_obs.events import EventLog
 from hicache_obs.events._store import open_store
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 log = EventLog()
 open_store(log, sys.argv[1], max_bytes=1 << 16)

@@ -18,7 +18,7 @@ from hicache_obs.events import Event, EventLog
 from hicache_obs.events._audit import audit
 from hicache_obs.events._replay import MAX_LINE_BYTES, read_file, replay
 from hicache_obs.events._store import open_store
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

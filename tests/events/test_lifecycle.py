@@ -32,8 +32,8 @@ from hicache_obs.events._schema import (
     TransferFailed,
     TransferSubmitted,
 )
-from hicache_obs.lab.testing import make_controller
 from hicache_obs.lab.workload import Workload, controller_options
+from hicache_obs.testing import make_controller
 
 _seq = iter(range(1 << 30))
 

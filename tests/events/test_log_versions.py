@@ -261,7 +261,7 @@ def test_the_sink_host_childs_store_writes_headers(tmp_path: Path) -> None:
     from hicache_obs.core import ModelSpec
     from hicache_obs.events import EventLog
     from hicache_obs.exporters.sinkhost import add_sink_host
-    from hicache_obs.lab.testing import make_controller
+    from hicache_obs.testing import make_controller
 
     log = EventLog(rank=2)
     add_sink_host(log, [{"sink": "jsonl", "dir": str(tmp_path), "rank": 2, "max_bytes": 4096}])

@@ -8,7 +8,7 @@ from event_workloads import run_workload
 from hicache_obs.core import ModelSpec
 from hicache_obs.events import OperationsMerged
 from hicache_obs.events._projections import lifecycles, occupancy, tensor_records
-from hicache_obs.lab.testing import capture_events, make_controller
+from hicache_obs.testing import capture_events, make_controller
 
 
 def test_occupancy_follows_allocations_and_frees() -> None:

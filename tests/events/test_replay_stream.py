@@ -14,7 +14,7 @@ from hicache_obs.errors import LogFormatError, SequenceError
 from hicache_obs.events import EventLog
 from hicache_obs.events import _replay as rp
 from hicache_obs.events._store import JsonlStore
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 FAULTS = [None, "unrecorded-pool-indices", "use-after-free", "double-free"]
 

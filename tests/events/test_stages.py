@@ -23,8 +23,8 @@ from hicache_obs.events._audit import Auditor, AuditStage, audit, audited
 from hicache_obs.events._log import EventLog
 from hicache_obs.events._schema import AllocationFailed, Event, TransferCompleted, TransferSubmitted
 from hicache_obs.events._sinks import ListSink
-from hicache_obs.lab.testing import FAULTS, make_controller
 from hicache_obs.lab.workload import Workload, controller_options
+from hicache_obs.testing import FAULTS, make_controller
 
 
 def _emit_alloc_failed(log: EventLog, n: int = 1) -> list[Event]:

@@ -18,7 +18,7 @@ from hicache_obs.errors import LogFormatError, SequenceError
 from hicache_obs.events import EventLog, TransferCompleted
 from hicache_obs.events._replay import read_file, replay
 from hicache_obs.events._store import JsonlStore, open_store
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 SPECS = [ModelSpec.tiny(), ModelSpec.tiny_hybrid()]
 

@@ -9,7 +9,7 @@ import pytest
 
 from hicache_obs.core import ModelSpec
 from hicache_obs.events._audit import Auditor
-from hicache_obs.lab.testing import make_controller
+from hicache_obs.testing import make_controller
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
-"""Moved to :mod:`hicache_obs.lab.sglang.testing`; this path still works, with a ``DeprecationWarning``, for one
-release."""
+"""SGLang's real controllers on a CPU, for tests (:func:`build_controller`, :func:`prepare`): the
+module lives in the lab, :mod:`hicache_obs.lab.sglang.testing`; this path reads every name of it."""
 
 from typing import TYPE_CHECKING
 

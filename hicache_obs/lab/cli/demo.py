@@ -114,7 +114,7 @@ def register(sub: Any) -> None:
     from hicache_obs.core._runtime import RUNTIME_NAMES
     from hicache_obs.core._spec import MODEL_PRESETS
     from hicache_obs.core._transfer import IO_BACKENDS
-    from hicache_obs.lab.testing import FAULTS
+    from hicache_obs.testing import FAULTS
 
     p = sub.add_parser(
         "demo",
@@ -199,7 +199,7 @@ def register(sub: Any) -> None:
         choices=list(FAULTS),
         default=None,
         metavar="NAME",
-        help="inject a known bug: %(choices)s (see hicache_obs.lab.testing)",
+        help="inject a known bug: %(choices)s (see hicache_obs.testing)",
     )
     p.add_argument(
         "--out",
@@ -259,8 +259,8 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     from hicache_obs.events._audit import Auditor
     from hicache_obs.events._log import EventLog
     from hicache_obs.events._store import SEGMENT_GLOB, open_store
-    from hicache_obs.lab.testing import fault_class, make_controller
     from hicache_obs.lab.workload import Workload, controller_options
+    from hicache_obs.testing import fault_class, make_controller
 
     if getattr(args, "engine", "ours") == "sglang":
         args.io_backend = args.io_backend or "kernel"

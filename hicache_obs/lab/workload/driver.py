@@ -102,7 +102,7 @@ class Workload:
     """Drives ``controller`` with the synthetic traffic; :meth:`run` returns :class:`WorkloadStats`.
 
     ``fault`` names the fault the controller was built with (see
-    :data:`hicache_obs.lab.testing.FAULTS`); the workload plays the buggy caller for
+    :data:`hicache_obs.testing.FAULTS`); the workload plays the buggy caller for
     ``double-free`` and ``use-after-free`` (:mod:`.faults`) and otherwise ignores it.
     """
 

@@ -1,6 +1,6 @@
 """The buggy caller: what the workload does wrong for the fault modes whose bug is the caller's.
 
-The ``double-free`` and ``use-after-free`` faults (see :data:`hicache_obs.lab.testing.FAULTS`)
+The ``double-free`` and ``use-after-free`` faults (see :data:`hicache_obs.testing.FAULTS`)
 only remove the controller's guard; the bug itself is in the caller, and the workload
 plays it when it evicts a node's host copy:
 
@@ -30,5 +30,5 @@ class CallerBugs:
 
     @classmethod
     def of(cls, fault: str | None) -> CallerBugs:
-        """The bugs of ``fault`` (a name of :data:`hicache_obs.lab.testing.FAULTS`, or None)."""
+        """The bugs of ``fault`` (a name of :data:`hicache_obs.testing.FAULTS`, or None)."""
         return cls(frees_twice=fault == "double-free", keeps_freed=fault == "use-after-free")
