@@ -32,7 +32,7 @@ def main() -> int:
     import torch
 
     from hicache_obs.cli import main as cli
-    from hicache_obs.lab.sglang.testing import kernel_sources, sglang_version
+    from hicache_obs.lab.sglang.harness import kernel_sources, sglang_version
 
     if not torch.cuda.is_available():
         print("sglang_gpu: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)

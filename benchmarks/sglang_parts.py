@@ -46,7 +46,7 @@ def main() -> int:
     from hicache_obs.integrations.sglang import Instrumentation
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with
-    from hicache_obs.lab.sglang.testing import build_controller, sglang_version
+    from hicache_obs.lab.sglang.harness import build_controller, sglang_version
 
     if sglang_version() is None:
         print(f"sglang_parts: SGLang is not installed in {sys.executable} (make sglang)", file=sys.stderr)

@@ -658,8 +658,8 @@ def bench_sglang_here(
 ) -> dict[str, Any]:
     """The ``sglang`` section, measured in this process (which must have SGLang).
 
-    It builds SGLang's real pools and controller (:func:`~hicache_obs.integrations.sglang.
-    testing.build_controller`, which on the CPU installs a process-wide torch function mode
+    It builds SGLang's real pools and controller (:func:`~hicache_obs.lab.sglang.harness.build_controller`,
+    which on the CPU installs a process-wide torch function mode
     for its CUDA stand-ins: run this in a process of its own, as :func:`bench_sglang` does). The
     same controller runs :func:`sglang_workload` bare and instrumented
     (:func:`~hicache_obs.integrations.sglang.instrument` with the sinks of configuration (a)
@@ -687,7 +687,7 @@ def bench_sglang_here(
     from hicache_obs.exporters.sinkhost import add_sink_host
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.floor import instrument_floor
-    from hicache_obs.lab.sglang.testing import LayoutRefused, build_controller, kernel_sources, sglang_version
+    from hicache_obs.lab.sglang.harness import LayoutRefused, build_controller, kernel_sources, sglang_version
 
     spec = ModelSpec.tiny_hybrid()
     plan = _sglang_plan(nodes, spec.page_size)
@@ -932,7 +932,7 @@ def bench_sglang_profiles_here(
     from hicache_obs.exporters.sinkhost import add_sink_host
     from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.deferred import cuda_semantics
-    from hicache_obs.lab.sglang.testing import LayoutRefused, prepare, sglang_version
+    from hicache_obs.lab.sglang.harness import LayoutRefused, prepare, sglang_version
     from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
     prepare("cpu")
@@ -1122,7 +1122,7 @@ def sglang_unavailable_reason(python: str | None = None) -> str | None:
     """Why the ``sglang`` section cannot run in this Python (None: it can)."""
     import sys
 
-    from hicache_obs.lab.sglang.testing import sglang_version
+    from hicache_obs.lab.sglang.harness import sglang_version
 
     if sglang_version() is None:
         return (
@@ -1158,7 +1158,7 @@ def bench_sglang(
     reason = sglang_unavailable_reason()
     if reason is not None:
         return {"available": False, "reason": reason}
-    from hicache_obs.lab.sglang.testing import sglang_version
+    from hicache_obs.lab.sglang.harness import sglang_version
 
     params: dict[str, Any] = {"nodes": nodes, "batch": batch, "rounds": rounds, "slices": slices, "threads": threads}
     if profile_rounds is not None:

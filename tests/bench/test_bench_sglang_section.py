@@ -8,13 +8,13 @@ import pytest
 
 from hicache_obs.cli import main
 from hicache_obs.lab import bench
-from hicache_obs.lab.sglang import testing
+from hicache_obs.lab.sglang import harness
 
 
 @pytest.fixture
 def no_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     """This Python has no SGLang, whatever is installed."""
-    monkeypatch.setattr(testing, "sglang_version", lambda: None)
+    monkeypatch.setattr(harness, "sglang_version", lambda: None)
 
 
 def test_not_installed_is_a_reason_not_a_failure(no_sglang: None) -> None:
@@ -23,7 +23,7 @@ def test_not_installed_is_a_reason_not_a_failure(no_sglang: None) -> None:
     assert "SGLang is not installed in this Python" in out["reason"] and "make sglang" in out["reason"]
 
 
-@pytest.mark.skipif(testing.sglang_version() is not None, reason="SGLang is installed in this Python")
+@pytest.mark.skipif(harness.sglang_version() is not None, reason="SGLang is installed in this Python")
 def test_this_python_reports_it_unavailable() -> None:
     assert bench.bench_sglang(rounds=1)["available"] is False
 
@@ -49,7 +49,7 @@ def test_text_says_so_in_one_line(no_sglang: None, capsys: pytest.CaptureFixture
 def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     # SGLang "present"; the child refuses the backend before it imports SGLang: the bench says why
     monkeypatch.setattr(bench, "sglang_unavailable_reason", lambda python=None: None)
-    monkeypatch.setattr(testing, "sglang_version", lambda: "0.0.0")
+    monkeypatch.setattr(harness, "sglang_version", lambda: "0.0.0")
     out = bench.bench_sglang(nodes=2, batch=2, rounds=1, timeout=120, backends=(("bogus", "page_first"),))
     assert set(out) == {"available", "release", "error"}
     assert out["available"] is True and out["release"] == "0.0.0"

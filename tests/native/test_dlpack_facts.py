@@ -93,17 +93,17 @@ def test_both_agree_with_each_other_and_with_the_tensor(t: torch.Tensor) -> None
 @SETTINGS
 @given(tensors())
 def test_tensor_ref_and_host_runs_are_what_the_tensors_own_methods_say(t: torch.Tensor) -> None:
-    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
 
-    fast = describe.tensor_ref(t, "kv", "host")
-    fast_runs = describe.host_runs(t)
-    saved = describe._TO_DLPACK
-    describe._TO_DLPACK = None  # the path without DLPack: the tensor's own methods
+    fast = facts.tensor_ref(t, "kv", "host")
+    fast_runs = facts.host_runs(t)
+    saved = facts._TO_DLPACK
+    facts._TO_DLPACK = None  # the path without DLPack: the tensor's own methods
     try:
-        slow = describe.tensor_ref(t, "kv", "host")
-        slow_runs = describe.host_runs(t)
+        slow = facts.tensor_ref(t, "kv", "host")
+        slow_runs = facts.host_runs(t)
     finally:
-        describe._TO_DLPACK = saved
+        facts._TO_DLPACK = saved
     assert isinstance(fast, TensorRef)
     assert fast == slow
     assert fast_runs == slow_runs
@@ -153,8 +153,8 @@ def test_a_tensor_with_no_memory_behind_it_has_no_runs_in_both() -> None:
     for mod in (_slots, _slots_py):
         kind, dev, numel, code, bits, ptr, runs = mod.dlpack_facts(torch._C._to_dlpack(t))
         print(kind, numel, code, bits, runs)
-    from hicache_obs.integrations.sglang import _describe as describe
-    show(describe.host_runs, t)
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
+    show(facts.host_runs, t)
     """
     lines = run_lines(PRELUDE + textwrap.dedent(body))
     assert lines[:2] == ["1 4 0 64 None"] * 2

@@ -4,7 +4,7 @@
 ``HiCacheController`` or ``HybridCacheController`` (releases 0.5.10 to 0.5.23, by
 feature detection); ``detach()`` restores it. Everything it reports comes from calls
 it observed at the controller's boundaries (see :mod:`.adapter`).
-``hicache_obs.lab.sglang.testing`` builds real SGLang controllers on a CPU.
+``hicache_obs.lab.sglang.harness`` builds real SGLang controllers on a CPU.
 SGLang itself is never imported here: the adapter works on the instance it is given.
 """
 

@@ -79,9 +79,9 @@ from ...events._schema import (
     TransferFailed,
     TransferSubmitted,
 )
-from . import _describe as describe
-from ._describe import NO_TORCH_FUNCTION, device_name, tensor_meta, tensor_ref
+from . import _tensor_facts as facts
 from ._record_stream import RECORDS, current
+from ._tensor_facts import NO_TORCH_FUNCTION, device_name, tensor_meta, tensor_ref
 
 __all__ = ["Instrumentation", "instrument", "instrumentation_of"]
 
@@ -597,7 +597,7 @@ def _free_lists_on_device(obj: Any) -> bool:
     """Whether an allocator keeps its free lists in device memory (a GPU): then the index
     tensors it hands out are there too, and reading their values would sync."""
     found = _free_lists(obj)
-    return found is not None and any(isinstance(p, torch.Tensor) and describe.host_values(p) is None for p in found[1])
+    return found is not None and any(isinstance(p, torch.Tensor) and facts.host_values(p) is None for p in found[1])
 
 
 def _free_lists_elsewhere(obj: Any) -> bool:
@@ -648,7 +648,7 @@ def _handed_indices(kind: str, original: Callable[..., Any]) -> Callable[..., An
 def _values(part: Any) -> Any:
     """A free list part's values as a 1-D int64 array (a tensor in host memory, or a list)."""
     if isinstance(part, torch.Tensor):
-        values = describe.host_values(part)
+        values = facts.host_values(part)
         if values is None:
             raise IntegrationError("an allocator's free list is in device memory: its slots cannot be read")
         return values
@@ -763,7 +763,7 @@ class _FreeList:
             return None
         p = self.page
         if len(given) == 1 and (p == 1 or kind == "slots"):
-            runs = describe.host_runs(given[0])
+            runs = facts.host_runs(given[0])
             if runs is not None and (p == 1 or all(s % p == 0 and n % p == 0 for s, n in runs)):
                 return runs  # slots, or whole pages (the caller checks they are as many as freed)
         values = np.concatenate([_values(t).reshape(-1) for t in given])
@@ -787,7 +787,7 @@ class _FreeList:
                 return _NO_RUNS, _NO_RUNS  # nothing changed
         elif delta < 0:
             if kind == "out" and isinstance(out, torch.Tensor):
-                runs = describe.host_runs(out)
+                runs = facts.host_runs(out)
                 if runs is not None and sum(n for _, n in runs) == -delta * self.page:
                     return runs, _NO_RUNS
             if self._front_taken(before[0], after[0], -delta) and self._same_rest(before[1], after[1]):
@@ -1424,7 +1424,7 @@ class Instrumentation:
     # Allocations and frees are the adapter's most frequent steps, and they run between
     # copies, with cold caches: each is one call into the adapter, two reads of the
     # allocator's free lists (references and counts), one DLPack read of the index tensor
-    # (:func:`describe.host_runs`) and the event. A call that left the free lists as they
+    # (:func:`facts.host_runs`) and the event. A call that left the free lists as they
     # were gives no event; one that cannot be read is counted and logged.
     def _slots_wrapper(self, pool: str, tier: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """A call that can change the free lists of ``pool``'s allocator on ``tier``: its

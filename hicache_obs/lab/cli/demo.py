@@ -528,7 +528,7 @@ def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
     Resolves ``args.runtime`` (``cpu`` unless ``cuda``) and ``args.layout`` (the release's default when not
     given; the one SGLang really uses, e.g. ``page_first_direct`` for direct + page_first)."""
     from hicache_obs.lab.sglang import engine
-    from hicache_obs.lab.sglang.testing import LayoutRefused, mamba_host_layouts
+    from hicache_obs.lab.sglang.harness import LayoutRefused, mamba_host_layouts
 
     chosen = args.layout is not None or args.io_backend is not None
     args.io_backend = args.io_backend or "kernel"

@@ -1,6 +1,6 @@
 """SGLang on a CPU, for the tests, the demo and the bench.
 
-- :mod:`.testing`: real SGLang controllers built on this machine's CPU (``prepare``,
+- :mod:`.harness`: real SGLang controllers built on this machine's CPU (``prepare``,
   ``build_controller``), with the CPU stand-ins of SGLang's CUDA kernels (:mod:`.kernels`);
 - :mod:`.tree`: SGLang's own tree cache driving a controller (``drive_tree``);
 - :mod:`.engine`: SGLang's controller behind the demo's engine API;

@@ -368,8 +368,8 @@ def install() -> None:
         import torch
 
         from hicache_obs.lab.sglang import kernels
+        from hicache_obs.lab.sglang.harness import _install_torchvision_stand_in
         from hicache_obs.lab.sglang.kernels import checks
-        from hicache_obs.lab.sglang.testing import _install_torchvision_stand_in
 
         _install_torchvision_stand_in()
         kernels.install()

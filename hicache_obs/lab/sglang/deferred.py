@@ -89,7 +89,7 @@ class _Worker(threading.Thread):
             raise RuntimeError(f"a queued copy failed on the copy worker: {error}") from error
 
     def run(self) -> None:
-        from hicache_obs.lab.sglang.testing import _CudaMode
+        from hicache_obs.lab.sglang.harness import _CudaMode
 
         mode = _CudaMode()  # the stand-ins' device routing, on this thread too
         mode.__enter__()
@@ -115,7 +115,7 @@ class _Worker(threading.Thread):
 
 
 def _current_block_stream() -> Any:
-    from hicache_obs.lab.sglang.testing import _blocks
+    from hicache_obs.lab.sglang.harness import _blocks
 
     stack = getattr(_blocks, "streams", None)
     return stack[-1] if stack else None
@@ -204,7 +204,7 @@ def cuda_semantics(worker: bool = False) -> Iterator[None]:
     the CPU; on leaving, every queued copy runs."""
     global _active, _worker
     from hicache_obs.lab.sglang import kernels
-    from hicache_obs.lab.sglang.testing import _POOL_MODULES, _state
+    from hicache_obs.lab.sglang.harness import _POOL_MODULES, _state
 
     if not _state.get("current_stream"):
         raise ConfigError("cuda_semantics needs the CPU harness (prepare('cpu') without CUDA)")

@@ -3,7 +3,7 @@
 ``hicache-obs demo --engine sglang-controller`` runs :class:`~hicache_obs.lab.workload.Workload`
 unchanged on SGLang's own pools and controller (built on this machine's CPU, or with
 ``--runtime cuda`` on its GPU, by
-:func:`~hicache_obs.lab.sglang.testing.build_controller`), instrumented by
+:func:`~hicache_obs.lab.sglang.harness.build_controller`), instrumented by
 :func:`~hicache_obs.integrations.sglang.instrument`. :class:`SGLangEngine` implements
 exactly the part of :class:`~hicache_obs.core.HiCacheController` the workload uses,
 and every value it hands back comes from SGLang's objects or from the instrumentation
@@ -67,7 +67,7 @@ from hicache_obs.events._schema import (
 )
 from hicache_obs.events._state import CacheState
 from hicache_obs.integrations.sglang._adapter import Instrumentation, instrument
-from hicache_obs.lab.sglang.testing import LayoutRefused, SGLangHarness, build_controller, prepare, sglang_version
+from hicache_obs.lab.sglang.harness import LayoutRefused, SGLangHarness, build_controller, prepare, sglang_version
 
 __all__ = [
     "ENGINE_RUNTIME",
@@ -572,7 +572,7 @@ class SGLangEngine(HiCacheController):
 
     def close(self) -> None:
         """Wait for and reap what is in flight, detach the adapter and close the harness
-        (:meth:`~hicache_obs.lab.sglang.testing.SGLangHarness.close`). Idempotent."""
+        (:meth:`~hicache_obs.lab.sglang.harness.SGLangHarness.close`). Idempotent."""
         if self._closed:
             return
         try:
@@ -649,7 +649,7 @@ def build_harness(
     runtime: str = ENGINE_RUNTIME,
 ) -> SGLangHarness:
     """SGLang's pools and controller for ``spec``; a one-line :class:`ConfigError` when SGLang refuses
-    them (a :class:`~.testing.LayoutRefused` where its Mamba host pool refuses the layout)."""
+    them (a :class:`~.harness.LayoutRefused` where its Mamba host pool refuses the layout)."""
     release = require_sglang()
     try:
         with _quiet_import():

@@ -73,7 +73,7 @@ def require_server() -> str:
             f"--engine sglang: SGLang's server cannot start from {sys.executable}: {', '.join(missing)} missing "
             "(make sglang-server installs what it needs)"
         )
-    from hicache_obs.lab.sglang.testing import sglang_version
+    from hicache_obs.lab.sglang.harness import sglang_version
 
     return sglang_version() or "?"
 

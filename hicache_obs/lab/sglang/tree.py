@@ -1,7 +1,7 @@
 """SGLang's own ``UnifiedRadixCache`` with HiCache on the CPU harness, driven as the scheduler
 drives it (test support).
 
-:func:`build_tree` builds the device pool and allocator with :mod:`.testing`'s pieces, then
+:func:`build_tree` builds the device pool and allocator with :mod:`.harness`'s pieces, then
 the tree and its HiCache through SGLang's own construction path (``init_hicache``, which
 builds the host pool group and the controller); the CPU stand-ins are applied to what
 SGLang built (CPU streams, buffers registered for the copy stand-ins). :class:`TreeHarness`
@@ -38,7 +38,7 @@ import torch
 from hicache_obs.core._spec import ModelSpec
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.lab.sglang.cpu_server import _NoHostRegistration
-from hicache_obs.lab.sglang.testing import (
+from hicache_obs.lab.sglang.harness import (
     _PLAIN,
     SGLangHarness,
     _kv_allocator,

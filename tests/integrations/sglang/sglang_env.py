@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from hicache_obs.lab.sglang.testing import sglang_version
+from hicache_obs.lab.sglang.harness import sglang_version
 
 RELEASE = sglang_version()
 REQUIRED = os.environ.get("HICACHE_REQUIRE_SGLANG") == "1"
@@ -28,7 +28,7 @@ def mamba_layouts() -> tuple[str, ...]:
     """The host layouts the installed release's Mamba host pool takes (all three without SGLang)."""
     if RELEASE is None:
         return ("page_first", "layer_first", "page_first_direct")
-    from hicache_obs.lab.sglang.testing import mamba_host_layouts
+    from hicache_obs.lab.sglang.harness import mamba_host_layouts
 
     return mamba_host_layouts()
 
@@ -59,7 +59,7 @@ def skip_draft_with_the_kernel_backend_on_0_5_17(io_backend: str) -> None:
 def fresh_module(name: str) -> types.ModuleType:
     """A new copy of SGLang's module ``name``, executed from its file, not in ``sys.modules``
     (and past any import hook, so nothing has patched it)."""
-    from hicache_obs.lab.sglang.testing import prepare
+    from hicache_obs.lab.sglang.harness import prepare
 
     prepare("cpu")  # SGLang's packages import here as in the other CPU tests
     found = importlib.util.find_spec(name)

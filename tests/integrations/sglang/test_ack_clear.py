@@ -33,7 +33,7 @@ class _Observed:
     """A real hybrid controller instrumented into a log with the live auditor and a Prometheus sink."""
 
     def __init__(self, **kw: Any) -> None:
-        from hicache_obs.lab.sglang.testing import build_controller
+        from hicache_obs.lab.sglang.harness import build_controller
 
         self.h = build_controller(ModelSpec.tiny_hybrid(), io_backend="direct", **kw)
         self.c = self.h.controller

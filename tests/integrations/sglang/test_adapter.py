@@ -37,7 +37,7 @@ def test_sglang_installed_where_required() -> None:
 
 
 def _build(spec: ModelSpec | None = None, **kw):  # type: ignore[no-untyped-def]
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     return build_controller(spec or ModelSpec.tiny_hybrid(), **kw)
 
@@ -345,10 +345,10 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
     from torch.overrides import TorchFunctionMode
 
     from hicache_obs.integrations.sglang import _adapter as adapter
-    from hicache_obs.integrations.sglang import _describe as describe
     from hicache_obs.integrations.sglang import _record_stream as record_stream
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
 
-    ours = {adapter.__file__, describe.__file__, record_stream.__file__}
+    ours = {adapter.__file__, facts.__file__, record_stream.__file__}
     callers: dict[str, int] = {}
     seen = [0]
 
@@ -374,7 +374,7 @@ def test_the_adapter_reads_tensors_without_torch_function_dispatch() -> None:
 def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading an index tensor's values (allocations, frees, tensor descriptions) may fail
     on a tensor SGLang can use but the adapter cannot read: counted, never raised."""
-    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
 
     h = _build() if FIXED else _build(io_backend="direct")
     inst = instrument(h.controller)
@@ -382,9 +382,9 @@ def test_a_failing_description_never_breaks_the_controller(monkeypatch: pytest.M
     def unreadable(t: torch.Tensor) -> None:
         raise RuntimeError("these index values cannot be read")
 
-    monkeypatch.setattr(describe, "_facts", unreadable)  # the one-call read (DLPack) of a description
-    monkeypatch.setattr(describe, "_TO_DLPACK", unreadable)  # and of an allocation or free
-    monkeypatch.setattr(describe, "host_values", unreadable)  # and the tensor's own methods
+    monkeypatch.setattr(facts, "_facts", unreadable)  # the one-call read (DLPack) of a description
+    monkeypatch.setattr(facts, "_TO_DLPACK", unreadable)  # and of an allocation or free
+    monkeypatch.setattr(facts, "host_values", unreadable)  # and the tensor's own methods
     loaded = _workload(h, nodes=2)  # SGLang carries on: allocs, frees, copies
     assert _data_intact(h, loaded)
     assert inst.errors > 0

@@ -60,7 +60,7 @@ class _Observed:
     Prometheus sink (as the launcher wires them); ``before(harness)`` runs first."""
 
     def __init__(self, spec: ModelSpec | None = None, before: Callable[[Any], None] | None = None, **kw: Any) -> None:
-        from hicache_obs.lab.sglang.testing import build_controller
+        from hicache_obs.lab.sglang.harness import build_controller
 
         self.h = build_controller(spec or ModelSpec.tiny_hybrid(), io_backend="direct", **kw)
         if before is not None:

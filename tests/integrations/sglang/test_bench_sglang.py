@@ -78,7 +78,7 @@ def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
 def test_workload_leaves_every_pool_as_it_found_it() -> None:
     from hicache_obs.core import ModelSpec
     from hicache_obs.lab.bench import _sglang_check_idle, _sglang_free, _sglang_plan, sglang_workload
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     h = build_controller(spec, io_backend="direct", device_size=256)
@@ -103,11 +103,11 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
     from hicache_obs.events import EventLog
     from hicache_obs.events._schema import SlotsAllocated, SlotsFreed
     from hicache_obs.integrations.sglang import _adapter as adapter
-    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
     from hicache_obs.integrations.sglang import instrument, instrumentation_of
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import FloorInstrumentation, instrument_floor
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     kernel = release_tuple() >= (0, 5, 11)  # 0.5.10's kernel path refuses the hybrid model's Mamba indices
@@ -141,7 +141,7 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
         with pytest.raises(IntegrationError, match="log must be an EventLog, got dict"):
             instrument_floor(c, log={})  # type: ignore[arg-type]
         for name in ("_facts", "_TO_DLPACK", "host_values", "host_runs", "tensor_ref", "device_name"):
-            monkeypatch.setattr(describe, name, unreadable)
+            monkeypatch.setattr(facts, name, unreadable)
         for name in ("tensor_ref", "device_name"):
             monkeypatch.setattr(adapter, name, unreadable)
         for name in ("_slots_by_pool", "_op_tensors", "_received", "_report_moves", "_submitted", "_merged"):
@@ -179,7 +179,7 @@ def test_floor_with_a_part_reads_that_part_with_the_adapters_own_hooks() -> None
     from hicache_obs.events._schema import SlotsAllocated, SlotsFreed
     from hicache_obs.lab.bench import _sglang_plan, sglang_workload
     from hicache_obs.lab.sglang.floor import PARTS, FloorInstrumentation, floor_with
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     with pytest.raises(ValueError, match=r"unknown parts \['slot'\]"):
         floor_with(["slot"])

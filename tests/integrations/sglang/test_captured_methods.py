@@ -50,7 +50,7 @@ def _slots(events: list[Any], cls: type) -> set[int]:
 
 
 def test_frees_through_methods_taken_before_instrumenting_are_seen_and_restored() -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(ModelSpec.tiny(), io_backend="direct")
     allocator = h.kv_allocator
@@ -86,7 +86,7 @@ def test_frees_through_methods_taken_before_instrumenting_are_seen_and_restored(
 
 
 def test_a_reference_it_cannot_rewrite_is_named_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(ModelSpec.tiny(), io_backend="direct")
     slotted = _Slotted(h.kv_allocator.free)

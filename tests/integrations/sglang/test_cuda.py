@@ -26,7 +26,7 @@ from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.events._audit import audit
 from hicache_obs.events._replay import replay
 from hicache_obs.events._schema import StreamRecorded, TransferCompleted, TransferFailed, TransferSubmitted
-from hicache_obs.lab.sglang import testing
+from hicache_obs.lab.sglang import harness
 
 FIXED = release_tuple() >= (0, 5, 11)
 STEPS = "30"
@@ -49,7 +49,7 @@ def _here() -> bool:
     """Whether the GPU runs can go in this process: it is prepared for the GPU already, or for
     nothing yet in a run of ``-m cuda`` alone (no CPU-harness test comes after). Else each goes
     to a process of its own, so this one stays as the other tests need it."""
-    ready = testing._state.get("ready")
+    ready = harness._state.get("ready")
     return ready == "cuda" or (ready is None and _CUDA_ONLY[0])
 
 
@@ -76,20 +76,20 @@ def _demo_on_gpu(out: Path, *options: str) -> dict[str, Any]:
 # ------------------------------------------------------------------ everywhere
 def test_an_unknown_device_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"device must be one of cpu, cuda, got 'tpu'"):
-        testing.build_controller(ModelSpec.tiny(), device="tpu")
+        harness.build_controller(ModelSpec.tiny(), device="tpu")
     with pytest.raises(ConfigError, match=r"device must be one of cpu, cuda, got 'gpu'"):
-        testing.prepare("gpu")
+        harness.prepare("gpu")
 
 
 def test_sgl_kernel_names_imported_on_a_gpu_are_placeholders_and_nothing_more() -> None:
     code = """
 import importlib, json
 from hicache_obs.errors import IntegrationError
-from hicache_obs.lab.sglang import kernels, testing
+from hicache_obs.lab.sglang import harness, kernels
 inst = kernels.install()
 if "sgl_kernel" not in inst.stand_ins:
     print(json.dumps({"real": True})); raise SystemExit(0)
-testing._name_missing_ops(inst)
+harness._name_missing_ops(inst)
 out = {"real": False}
 from sgl_kernel import moe_sum_reduce
 from sgl_kernel.quantization import ggml_dequantize
@@ -123,17 +123,17 @@ print(json.dumps(out))
 
 @pytest.mark.needs_sglang
 def test_a_process_prepared_for_the_cpu_builds_no_gpu_controller() -> None:
-    testing.prepare("cpu")
+    harness.prepare("cpu")
     with pytest.raises(IntegrationError, match=r"prepared SGLang for device 'cpu'; a 'cuda' harness needs a process"):
-        testing.build_controller(ModelSpec.tiny_hybrid(), device="cuda")
-    testing.prepare()  # None: as prepared
-    assert testing.build_controller(ModelSpec.tiny()).device == "cpu"
+        harness.build_controller(ModelSpec.tiny_hybrid(), device="cuda")
+    harness.prepare()  # None: as prepared
+    assert harness.build_controller(ModelSpec.tiny()).device == "cpu"
 
 
 @pytest.mark.needs_sglang
 def test_the_cpu_harness_copies_with_the_stand_ins() -> None:
-    testing.prepare("cpu")
-    sources = testing.kernel_sources()
+    harness.prepare("cpu")
+    sources = harness.kernel_sources()
     assert sources and set(sources.values()) == {"stand-in"}, sources
     assert any(name.startswith("transfer_kv_") for name in sources)
     if release_tuple() >= (0, 5, 23):  # SGLang's JIT Mamba copies: bound in the Mamba host pool's module
@@ -148,7 +148,7 @@ def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == "hicache-obs: error: --runtime cuda: no CUDA device here (torch.cuda.is_available() is False)\n"
     assert not out.exists()
-    code = "from hicache_obs.lab.sglang.testing import prepare; prepare('cuda')"
+    code = "from hicache_obs.lab.sglang.harness import prepare; prepare('cuda')"
     proc = _run("-c", code)
     assert proc.returncode == 1
     assert "ConfigError: device 'cuda' needs a CUDA device: torch.cuda.is_available() is False here" in proc.stderr
@@ -158,10 +158,10 @@ def test_cuda_without_a_gpu_is_one_line_exit_2(tmp_path: Path) -> None:
 @pytest.fixture
 def device_values_unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Index tensors that report CUDA have no readable values, as on a GPU (a read would sync)."""
-    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
 
-    real = describe.host_values
-    monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
+    real = facts.host_values
+    monkeypatch.setattr(facts, "host_values", lambda t: None if t.is_cuda else real(t))
 
 
 def _demo_json(capsys: pytest.CaptureFixture[str], out: Path, *options: str) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def test_device_slots_a_gpu_hides_are_left_out_not_misread(device_values_unreada
     from hicache_obs.events._schema import PoolCreated, SlotsAllocated, SlotsFreed
     from hicache_obs.integrations.sglang import instrument
 
-    h = testing.build_controller(ModelSpec.tiny_hybrid(), io_backend="direct")
+    h = harness.build_controller(ModelSpec.tiny_hybrid(), io_backend="direct")
     log = EventLog()
     with instrument(h.controller, log=log) as inst:
         assert inst.unseen_slot_tiers == {("kv", "device"), ("mamba", "device")}
@@ -206,7 +206,7 @@ def test_a_free_of_a_write_in_flight_is_seen_where_device_slots_are_hidden(devic
     from hicache_obs.events._schema import IndicesFreed
     from hicache_obs.integrations.sglang import instrument
 
-    h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel")
+    h = harness.build_controller(ModelSpec.tiny(), io_backend="kernel")
     log = EventLog()
     with instrument(h.controller, log=log) as inst:
         assert ("kv", "device") in inst.unseen_slot_tiers
@@ -232,10 +232,10 @@ def test_the_demo_drives_the_same_run_when_device_slots_are_hidden(
     if io_backend == "kernel":
         needs_mamba_layout("page_first")  # the demo's hybrid model with the kernel backend
     seen = _demo_json(capsys, tmp_path / "seen", "--io-backend", io_backend)
-    from hicache_obs.integrations.sglang import _describe as describe
+    from hicache_obs.integrations.sglang import _tensor_facts as facts
 
-    real = describe.host_values
-    monkeypatch.setattr(describe, "host_values", lambda t: None if t.is_cuda else real(t))
+    real = facts.host_values
+    monkeypatch.setattr(facts, "host_values", lambda t: None if t.is_cuda else real(t))
     hidden = _demo_json(capsys, tmp_path / "hidden", "--io-backend", io_backend)
     # the engine asks SGLang's allocators for the free device slots: evictions, loads and
     # findings are those of the run that saw every slot
@@ -250,7 +250,7 @@ def test_a_write_whose_host_pool_takes_cpu_host_indices_says_so() -> None:
     from hicache_obs.integrations.sglang import instrument
 
     # the kernel backend of 0.5.10's hybrid controller refuses every write (SGLang #24121)
-    h = testing.build_controller(ModelSpec.tiny_hybrid() if FIXED else ModelSpec.tiny())
+    h = harness.build_controller(ModelSpec.tiny_hybrid() if FIXED else ModelSpec.tiny())
     log = EventLog()
     with instrument(h.controller, log=log):
         kv = h.alloc_kv(h.spec.page_size)
@@ -342,7 +342,7 @@ def test_gpu_harness_round_trips_and_names_its_kernels() -> None:
 import json, torch
 from hicache_obs.core._spec import ModelSpec
 from hicache_obs.integrations.sglang import instrument
-from hicache_obs.lab.sglang.testing import build_controller, kernel_sources
+from hicache_obs.lab.sglang.harness import build_controller, kernel_sources
 h = build_controller(ModelSpec.tiny(), device="cuda")
 with instrument(h.controller) as inst:
     kv = h.alloc_kv(2 * h.spec.page_size)
@@ -381,9 +381,9 @@ from hicache_obs.events import EventLog
 from hicache_obs.events._audit import audit
 from hicache_obs.events._schema import IndicesFreed, SlotsFreed
 from hicache_obs.integrations.sglang import instrument
-from hicache_obs.lab.sglang import testing
+from hicache_obs.lab.sglang import harness
 
-h = testing.build_controller(ModelSpec.tiny(), io_backend="kernel", device="cuda")
+h = harness.build_controller(ModelSpec.tiny(), io_backend="kernel", device="cuda")
 log = EventLog()
 inst = instrument(h.controller, log=log)
 kv = h.alloc_kv(2 * h.spec.page_size)

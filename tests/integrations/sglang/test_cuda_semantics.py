@@ -140,7 +140,7 @@ def test_the_fixed_release_serves_intact_under_cuda_semantics(unified: None, io_
 def test_cuda_semantics_refuses_a_second_block() -> None:
     from hicache_obs.errors import ConfigError
     from hicache_obs.lab.sglang.deferred import cuda_semantics
-    from hicache_obs.lab.sglang.testing import prepare
+    from hicache_obs.lab.sglang.harness import prepare
 
     prepare("cpu")
     with cuda_semantics():

@@ -67,7 +67,7 @@ def _python_without_sglang() -> str | None:
     venv = REPO / ".venv" / "bin" / "python"
     if not venv.exists():
         return None
-    probe = "from hicache_obs.lab.sglang.testing import sglang_version as v; raise SystemExit(v() is not None)"
+    probe = "from hicache_obs.lab.sglang.harness import sglang_version as v; raise SystemExit(v() is not None)"
     ok = subprocess.run([str(venv), "-c", probe], capture_output=True, timeout=120).returncode == 0
     return str(venv) if ok else None
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.needs_sglang
 
 
 def _harness(spec: ModelSpec, io_backend: str) -> Any:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(spec, io_backend=io_backend)
     c = h.controller

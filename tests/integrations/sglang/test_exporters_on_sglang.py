@@ -43,7 +43,7 @@ def _run(h: Any, nodes: int = 3) -> None:
 
 
 def test_spans_logs_and_trace_from_an_sglang_log(tmp_path: Path) -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(ModelSpec.tiny_hybrid(), io_backend="kernel" if FIXED else "direct")
     exporter = InMemorySpanExporter()
@@ -84,7 +84,7 @@ def test_spans_logs_and_trace_from_an_sglang_log(tmp_path: Path) -> None:
 
 
 def test_readme_sglang_example_runs() -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     block = re.search(r"## Instrumenting SGLang\n.*?```python\n(.*?)```", README.read_text(), re.S)
     assert block is not None

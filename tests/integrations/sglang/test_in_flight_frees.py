@@ -27,7 +27,7 @@ pytestmark = pytest.mark.needs_sglang
 
 class _Run:
     def __init__(self, io_backend: str) -> None:
-        from hicache_obs.lab.sglang.testing import build_controller
+        from hicache_obs.lab.sglang.harness import build_controller
 
         self.h = build_controller(ModelSpec.tiny(), io_backend=io_backend)
         self.log = EventLog()

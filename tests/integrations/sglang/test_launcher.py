@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
 
     def rank_main(rank, writes, backend, folder):
         from hicache_obs.core import ModelSpec
-        from hicache_obs.lab.sglang.testing import build_controller
+        from hicache_obs.lab.sglang.harness import build_controller
         h = build_controller(ModelSpec.tiny_hybrid(), io_backend=backend)
         for i in range(writes):
             kv = h.alloc_kv(32)
@@ -147,7 +147,7 @@ ONE_RANK = textwrap.dedent(
     """
     import sys
     from hicache_obs.core import ModelSpec
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
     h = build_controller(ModelSpec.tiny_hybrid(), io_backend=sys.argv[1])
     for i in range(3):
         h.write(h.alloc_kv(32), h.alloc_mamba(1), node_id=i)

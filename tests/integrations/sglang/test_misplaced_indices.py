@@ -31,7 +31,7 @@ pytestmark = pytest.mark.needs_sglang
 
 class _Run:
     def __init__(self, spec: ModelSpec, io_backend: str = "direct", layout: str = "page_first_direct") -> None:
-        from hicache_obs.lab.sglang.testing import build_controller
+        from hicache_obs.lab.sglang.harness import build_controller
 
         self.h = build_controller(spec, io_backend=io_backend, layout=layout)
         self.log = EventLog()
@@ -51,7 +51,7 @@ class _Run:
 
 
 def _on_device(t: torch.Tensor) -> torch.Tensor:
-    from hicache_obs.lab.sglang.testing import CudaStandIn
+    from hicache_obs.lab.sglang.harness import CudaStandIn
 
     return t.detach().clone().as_subclass(CudaStandIn)
 
@@ -125,7 +125,7 @@ def test_a_double_host_free_is_a_double_free_whether_sglang_refuses_it_or_not() 
 
 
 def test_a_free_that_raises_propagates_unchanged_and_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     boom = RuntimeError("SGLang's own check")
 

@@ -33,7 +33,7 @@ NOT_KEPT = {m.EVENTS_TOTAL, m.AUDIT_SAMPLE_RATIO}
 
 
 def _harness() -> Any:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     spec = ModelSpec.tiny_hybrid()
     return build_controller(spec, io_backend="direct", layout="page_first_direct", device_size=4 * spec.page_size * 16)
@@ -160,7 +160,7 @@ def test_every_profile_finds_what_audit_finds_on_the_workload(runs: dict[str, An
 
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 def test_a_sampled_op_whose_indices_are_freed_in_flight_is_a_use_after_free(io_backend: str) -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(ModelSpec.tiny(), io_backend=io_backend)
     log = EventLog()

@@ -46,7 +46,7 @@ OPS = {"d2h": 7, "h2d": 3}  # seven write-through backups, three load backs
 
 def _sidecar_release() -> bool:
     """Whether SGLang builds a draft as a sidecar pool of the tree (0.5.2x)."""
-    from hicache_obs.lab.sglang.testing import _module, prepare
+    from hicache_obs.lab.sglang.harness import _module, prepare
 
     if RELEASE is None:
         return False
@@ -59,7 +59,7 @@ def _set_draft_release() -> bool:
     """Whether SGLang registers a draft with the controller's ``set_draft_kv_pool`` (0.5.11 until the sidecars)."""
     if RELEASE is None or _sidecar_release():
         return False
-    from hicache_obs.lab.sglang.testing import prepare
+    from hicache_obs.lab.sglang.harness import prepare
 
     prepare("cpu")
     cc = importlib.import_module("sglang.srt.managers.cache_controller")

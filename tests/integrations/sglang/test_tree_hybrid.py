@@ -158,7 +158,7 @@ def test_fixed_releases_run_the_hybrid_tree_clean(tree: str, io_backend: str, la
 
 
 def test_a_mamba_state_lost_on_the_host_is_seen() -> None:
-    from hicache_obs.lab.sglang.testing import _tensors_of
+    from hicache_obs.lab.sglang.harness import _tensors_of
 
     r = _Run("direct", "page_first_direct")
     for tokens in WORKLOAD[:4]:

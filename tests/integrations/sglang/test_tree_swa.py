@@ -121,7 +121,7 @@ def test_the_swa_tree_runs_clean_under_pressure(io_backend: str, layout: str, pl
 def test_swa_rows_lost_on_the_host_are_seen() -> None:
     """The SWA check reads the SWA pool: SWA rows zeroed on the host come back wrong while the
     full rows stay intact."""
-    from hicache_obs.lab.sglang.testing import _tensors_of
+    from hicache_obs.lab.sglang.harness import _tensors_of
 
     _available()
     r = _Run("direct", "page_first_direct")
@@ -157,7 +157,7 @@ def test_what_the_harness_cannot_build_is_refused() -> None:
 
 
 def test_build_controller_points_a_swa_model_to_the_tree() -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     with pytest.raises(ConfigError, match=r"only through its tree's init_hicache: use tree\.build_swa_tree"):
         build_controller(SPEC)

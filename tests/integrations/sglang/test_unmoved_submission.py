@@ -27,7 +27,7 @@ pytestmark = pytest.mark.needs_sglang
 
 
 def test_writes_and_a_merged_load_without_a_move_are_submitted_and_completed() -> None:
-    from hicache_obs.lab.sglang.testing import build_controller
+    from hicache_obs.lab.sglang.harness import build_controller
 
     h = build_controller(ModelSpec.tiny(), io_backend="direct", layout="page_first_direct")
     log = EventLog()
