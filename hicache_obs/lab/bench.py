@@ -82,9 +82,6 @@ class Ratio:
     hi: float
     n: int
 
-    def as_dict(self) -> dict[str, float]:
-        return {"median": self.median, "min": self.lo, "max": self.hi, "rounds": self.n}
-
 
 def _ratio(values: list[float]) -> Ratio:
     if not values:

@@ -6,7 +6,7 @@ import torch
 from event_workloads import run_workload
 
 from hicache_obs.core import ModelSpec
-from hicache_obs.events import OperationsMerged
+from hicache_obs.events import OperationsMerged, SlotsAllocated, SlotsFreed
 from hicache_obs.events._projections import lifecycles, occupancy, tensor_records
 from hicache_obs.testing import capture_events, make_controller
 
@@ -86,3 +86,6 @@ def test_capture_events_collects_only_inside_the_block() -> None:
     c.evict_device(kv)
     assert cap.types() == ["SlotsAllocated"]
     assert isinstance(kv, torch.Tensor)
+    (allocated,) = cap.of_type(SlotsAllocated)
+    assert allocated.pool == "kv" and allocated.tier == "device"
+    assert cap.of_type(SlotsFreed) == [] and cap.of_type(SlotsFreed, SlotsAllocated) == [allocated]
