@@ -10,7 +10,7 @@ Operations of every :class:`Runtime`:
 - ``is_device(tensor)``, ``to_device(tensor, non_blocking)``, ``to_host(tensor)``
 - ``empty(shape, dtype)``: a long-lived device buffer (pool storage)
 - ``launch(fn, *tensors)``: run ``fn(*tensors)`` as work on the current stream
-- ``synchronize()``
+- ``synchronize()``; ``drain()``
 - ``tensor_type`` (optional, ``torch.Tensor`` when absent): the class of the runtime's
   device tensors; an index tensor of any other subclass is refused
 - ``observers``: a :class:`CallObservers` the runtime reports its served calls to: a
@@ -130,6 +130,7 @@ class Runtime(Protocol):
     def pin(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def launch(self, fn: Callable[..., None], *tensors: Any) -> None: ...
     def synchronize(self) -> None: ...
+    def drain(self) -> None: ...
     def values_readable(self, tensor: torch.Tensor) -> bool: ...
     def tensor_device(self, tensor: torch.Tensor) -> str: ...
 
@@ -251,6 +252,9 @@ class CpuRuntime:
     def synchronize(self) -> None:
         return None
 
+    def drain(self) -> None:
+        return None
+
     def values_readable(self, tensor: torch.Tensor) -> bool:
         return True
 
@@ -368,6 +372,9 @@ class CudaRuntime:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
+
+    def drain(self) -> None:
+        self.synchronize()
 
     def values_readable(self, tensor: torch.Tensor) -> bool:
         return not tensor.is_cuda

@@ -11,8 +11,8 @@ What it models, and why each part matters for the bug class this project audits:
   stream that still has queued work: then the block returns only after that work
   ran. That is exactly what makes a missing record dangerous.
 - **Side streams.** Work launched on a side stream is queued, not run. It runs on
-  ``synchronize()``, ``event.query()`` / ``event.synchronize()`` or a wait of the
-  main stream on one of its events. Queued work captures arena
+  ``synchronize()``, ``event.query()`` / ``event.synchronize()``, a wait of the
+  main stream on one of its events, or ``drain()``. Queued work captures arena
   offsets, never Python tensors: if the block was freed and reused meanwhile, the
   work reads whatever the new owner wrote there, as a CUDA kernel would.
 - The main stream is synchronous.
@@ -595,6 +595,9 @@ class SimRuntime:
         for s in sched.streams:
             s.run_until(s.submitted)
         self.arena.retire()
+
+    def drain(self) -> None:
+        self.synchronize()
 
     def values_readable(self, tensor: torch.Tensor) -> bool:
         return True

@@ -171,3 +171,24 @@ def test_device_tensors_cannot_be_pickled():
     rt = SimRuntime()
     with pytest.raises(TypeError, match="host first"):
         pickle.dumps(rt.to_device(torch.tensor([1], dtype=torch.int64)))
+
+
+def test_drain_runs_every_deferred_side_stream_launch():
+    rt, side, src, dst = _setup()
+    idx = rt.to_device(torch.tensor([4, 5, 6], dtype=torch.int64))
+    with rt.use(side):
+        rt.launch(_gather, dst, src, idx)
+    assert rt.pending_work() == 1 and dst.tolist() == [0.0, 0.0, 0.0]
+    rt.drain()
+    assert rt.pending_work() == 0 and dst.tolist() == [104.0, 105.0, 106.0]
+
+
+def test_drain_on_the_cpu_runtime_has_nothing_to_wait_for():
+    from hicache_obs.core._runtime import CpuRuntime
+
+    rt = CpuRuntime()
+    dst = torch.zeros(2)
+    with rt.use(rt.stream("side")):
+        rt.launch(lambda d: d.fill_(3.0), dst)
+    assert dst.tolist() == [3.0, 3.0]  # synchronous: it already ran
+    assert rt.drain() is None and dst.tolist() == [3.0, 3.0]
