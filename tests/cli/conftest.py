@@ -50,3 +50,10 @@ def clean_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any]
 @pytest.fixture(scope="session")
 def faulty_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     return _demo(tmp_path_factory.mktemp("faulty") / "out", "--fault", "unrecorded-pool-indices")
+
+
+@pytest.fixture(scope="session")
+def metrics_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The faulty demo's run under the ``metrics`` profile."""
+    out = tmp_path_factory.mktemp("metrics") / "out"
+    return _demo(out, "--fault", "unrecorded-pool-indices", "--profile", "metrics")

@@ -17,7 +17,7 @@ from audit_counts import violation_counts
 from hicache_obs.cli._summary import transfer_totals
 from hicache_obs.events._audit import audit
 from hicache_obs.events._replay import replay
-from hicache_obs.events._schema import TransferCompleted
+from hicache_obs.events._schema import TensorRef, TransferCompleted
 
 REQUIRED_KEYS = {
     "steps",
@@ -224,3 +224,74 @@ def test_otel_environment_turns_on_otlp(
     assert code == 0, err
     assert json.loads(out)["otlp_endpoint"] == url
     assert any(p[0] == "/v1/traces" for p in posts)
+
+
+def test_the_metrics_profile_finds_the_unrecorded_indices_without_slot_values(
+    metrics_demo: tuple[dict[str, Any], Path], faulty_demo: tuple[dict[str, Any], Path]
+) -> None:
+    s, out = metrics_demo
+    full = faulty_demo[0]
+    assert (s["profile"], s["audit_sample"]) == ("metrics", 0.0)
+    assert full["profile"] == "audit" and full["audit_sample"] == 1.0
+    # the same run: the same transfers, the same corruption, the #22940 finding in both
+    for key in ("operations", "failed_operations", "slots", "bytes", "hit_rate", "corrupted_slots", "violations"):
+        assert s[key] == full[key], key
+    assert set(s["violations"]) == {"unrecorded_index"} and s["data_intact"] is False
+    # our controller's bookkeeping is the fold of its events: every profile logs them all, and
+    # metrics one more (the audited share); no index tensor it describes carries its values
+    assert s["events"] == full["events"] + 1
+    events = replay(out).events
+    refs = _tensor_refs(events)
+    assert refs and all(t.indices is None for t in refs)
+    assert any(t.indices is not None for t in _tensor_refs(replay(faulty_demo[1]).events))
+    assert violation_counts(audit(events)) == s["violations"]
+
+
+def _tensor_refs(events: list[Any]) -> list[TensorRef]:
+    """Every index tensor description the events carry."""
+    out: list[TensorRef] = []
+    for e in events:
+        for name in type(e).__struct_fields__:
+            value = getattr(e, name)
+            out += [v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, TensorRef)]
+    return out
+
+
+def test_sampling_audits_the_share_it_was_given(cli: Any, tmp_path: Path) -> None:
+    code, out, err = cli("demo", "--steps", "20", "--audit-sample", "0.25", "--json", "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    s = json.loads(out)
+    assert (s["profile"], s["audit_sample"]) == ("sampling", 0.25) and s["data_intact"] is True
+
+
+def test_the_human_summary_names_the_profile(cli: Any, tmp_path: Path) -> None:
+    code, out, err = cli("demo", "--steps", "5", "--profile", "sampling", "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert "profile sampling (0.01 of the operations audited)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile", "audit", "--audit-sample", "0.5"], "--profile/--audit-sample: audit_sample 0.5: the audit "
+         "profile audits every operation"),
+        (["--profile", "sampling", "--audit-sample", "0"], "--profile/--audit-sample: audit_sample 0: the sampling "
+         "profile needs a share above 0"),
+        (["--engine", "sglang-controller", "--profile", "metrics"], "--engine sglang-controller takes --profile "
+         "audit only, got 'metrics'"),
+    ],
+)  # fmt: skip
+def test_a_profile_the_run_cannot_take_is_one_line_before_anything_starts(
+    cli: Any, tmp_path: Path, argv: list[str], message: str
+) -> None:
+    out = tmp_path / "never"
+    code, _, err = cli("demo", "--steps", "5", "--out", str(out), *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("share", ["2", "-0.1", "lots"])
+def test_an_audit_sample_outside_0_to_1_is_a_usage_error(cli: Any, tmp_path: Path, share: str) -> None:
+    code, _, err = cli("demo", "--audit-sample", share, "--out", str(tmp_path / "o"))
+    assert code == 2 and f"--audit-sample: {share!r} is not a number from 0 to 1" in err, err
+    assert not (tmp_path / "o").exists()

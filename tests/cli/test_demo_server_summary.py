@@ -16,6 +16,7 @@ def _summary(**changes: object) -> dict[str, object]:
         "host_hit_tokens": 1230, "device_hit_tokens": 4100, "prompt_tokens": 9000,
         "data_intact": True, "mismatched_requests": 0, "checked_requests": 6, "violations": {},
         "events": 812, "out": "out/[x]", "ranks": [0], "files": {"trace": "out/trace.json"},
+        "profile": "metrics", "audit_sample": 0.0,
     }  # fmt: skip
     s.update(changes)
     return s
@@ -29,7 +30,7 @@ def test_a_clean_run_reads_as_one(capsys: pytest.CaptureFixture[str]) -> None:
     assert "prompt tokens from host: 1230, from device: 4100, of 9000" in text
     assert "equal to a recompute: yes (6 checked)" in text
     assert "audit: no findings" in text
-    assert "812 events in out/[x]/ (ranks [0])" in text  # a folder name is printed as written
+    assert "812 events in out/[x]/ (ranks [0], profile metrics)" in text  # a folder name is printed as written
 
 
 def test_findings_and_differing_answers_are_said(capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,3 +38,8 @@ def test_findings_and_differing_answers_are_said(capsys: pytest.CaptureFixture[s
     text = capsys.readouterr().out
     assert "equal to a recompute: no (2 differ) (6 checked)" in text
     assert "audit findings: {'double_free': {'mamba': 9}}" in text
+
+
+def test_the_ranks_profile_is_said_with_its_share(capsys: pytest.CaptureFixture[str]) -> None:
+    _print_server_summary(_summary(profile="sampling", audit_sample=0.05))
+    assert "profile sampling (0.05 of the operations audited)" in capsys.readouterr().out

@@ -9,6 +9,7 @@ import stat
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,17 @@ def test_a_given_port_that_is_taken_is_one_clear_error(fake_python: Path, tmp_pa
     finally:
         server.stop()
         held.close()
+
+
+def test_the_server_runs_its_ranks_at_the_profile_it_was_given(tmp_path: Path) -> None:
+    from hicache_obs._profiles import resolve_profile
+
+    def front(profile: Any) -> list[str]:
+        cmd = srv.SGLangServer(
+            srv.ServerConfig(tmp_path / "model"), tmp_path / "server.log", instrument_out=tmp_path, profile=profile
+        ).command()
+        return cmd[: cmd.index("--")]
+
+    assert "--profile" not in front(None)  # the launcher's default
+    assert front(resolve_profile("audit"))[-2:] == ["--profile", "audit"]
+    assert front(resolve_profile("metrics", 0.05))[-4:] == ["--profile", "sampling", "--audit-sample", "0.05"]

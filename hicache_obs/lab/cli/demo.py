@@ -109,6 +109,8 @@ _port = port_arg()
 
 
 def register(sub: Any) -> None:
+    from hicache_obs._profiles import PROFILES
+    from hicache_obs.cli._instrument import _share
     from hicache_obs.core._policy import WRITE_POLICIES
     from hicache_obs.core._pools import LAYOUTS
     from hicache_obs.core._runtime import RUNTIME_NAMES
@@ -220,6 +222,23 @@ def register(sub: Any) -> None:
         metavar="URL",
         help="OTLP/HTTP base URL for spans, e.g. http://127.0.0.1:4318 (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
     )
+    p.add_argument(
+        "--profile",
+        choices=list(PROFILES),
+        default=None,
+        metavar="NAME",
+        help="how much evidence the controller records: %(choices)s (default: audit; with --engine "
+        "sglang the launcher's, $HICACHE_OBS_PROFILE else metrics; --engine sglang-controller takes "
+        "audit only)",
+    )
+    p.add_argument(
+        "--audit-sample",
+        type=_share,
+        default=None,
+        metavar="SHARE",
+        help="share of the operations audited in full, 0 to 1 (alone or with metrics: sampling; default "
+        "for sampling 0.01)",
+    )
     p.add_argument("--serve", action="store_true", help="keep /metrics up after the run until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(func=run)
@@ -265,6 +284,7 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
     if getattr(args, "engine", "ours") == "sglang":
         args.io_backend = args.io_backend or "kernel"
         return _run_server(args)
+    profile = _profile(args)
     spec = ModelSpec.preset(args.model)
     # before torch is asked for terabytes; on cuda the device tier is the GPU's memory, not this
     _check_pool_memory(spec, args.device_tokens, device_tier=(args.runtime or DEFAULT_RUNTIME) != "cuda")
@@ -329,6 +349,7 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
                 io_backend=args.io_backend,
                 layout=args.layout,
                 write_policy=args.write_policy,
+                profile=profile,
                 **controller_options(spec, args.device_tokens),
             )
         stack.callback(held(controller.close))
@@ -367,6 +388,8 @@ def _run(args: argparse.Namespace, opened: dict[str, Any]) -> int:
             "layout": args.layout,
             "write_policy": args.write_policy,
             "fault": args.fault,
+            "profile": profile.name,
+            "audit_sample": profile.audit_sample,
             "events": len(log),
             **totals.to_dict(),
             "hit_rate": stats.hit_rate,
@@ -407,6 +430,7 @@ def _run_server(args: argparse.Namespace) -> int:
     sd.check_server_options(
         model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
     )
+    profile = _server_profile(args)
     release = sd.require_server()  # refusals and a missing server: before --out is touched
     args.runtime, args.layout = "cpu", args.layout or "page_first"
     out = Path(args.out)
@@ -416,7 +440,7 @@ def _run_server(args: argparse.Namespace) -> int:
     demo = sd.ServerDemo(
         model=args.model, steps=args.steps, out=out, io_backend=args.io_backend, layout=args.layout,
         write_policy=args.write_policy, device_tokens=args.device_tokens, seed=args.seed,
-        metrics_port=args.metrics_port, otlp_endpoint=otlp_endpoint,
+        metrics_port=args.metrics_port, otlp_endpoint=otlp_endpoint, profile=profile,
     )  # fmt: skip
     t_start = time.perf_counter()
     server = demo.server()
@@ -484,6 +508,8 @@ def _server_summary(
         "layout": args.layout,
         "write_policy": args.write_policy,
         "fault": None,
+        "profile": args.resolved_profile.name,
+        "audit_sample": args.resolved_profile.audit_sample,
         "events": res.n_events,
         "ranks": res.ranks,
         **transfer_totals(res.events).to_dict(),
@@ -516,10 +542,50 @@ def _print_server_summary(s: dict[str, Any]) -> None:
         + ("[green]yes[/]" if s["data_intact"] else f"[red]no[/] ({s['mismatched_requests']} differ)")
         + f" ({s['checked_requests']} checked)",
         f"  [red]audit findings[/]: {e(s['violations'])}" if s["violations"] else "  audit: [green]no findings[/]",
-        f"  {s['events']} events in {e(s['out'])}/ (ranks {s['ranks']}); trace: {e(s['files']['trace'])}",
+        f"  {s['events']} events in {e(s['out'])}/ (ranks {s['ranks']}, profile {_profile_text(s)}); "
+        f"trace: {e(s['files']['trace'])}",
     ]
     for line in lines:
         con.print(line, soft_wrap=True)
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    """The controller's profile, from ``--profile`` and ``--audit-sample`` (default ``audit``;
+    a share alone: ``sampling``).
+    ``--engine sglang-controller`` takes ``audit`` only: it reads the slots a load or write
+    took from the log's ``SlotsAllocated`` events, which only ``audit`` records."""
+    from hicache_obs._profiles import resolve_profile
+    from hicache_obs.errors import ConfigError
+
+    name, share = getattr(args, "profile", None), getattr(args, "audit_sample", None)
+    try:  # a share alone is the sampling profile
+        profile = resolve_profile(name if name is not None or share is None else "sampling", share)
+    except ConfigError as exc:
+        raise CliError(f"--profile/--audit-sample: {exc}") from None
+    if getattr(args, "engine", "ours") == "sglang-controller" and not profile.full:
+        raise CliError(
+            f"--engine sglang-controller takes --profile audit only, got {profile.name!r}: it reads the "
+            "slots SGLang took from the allocation events only that profile records"
+        )
+    return profile
+
+
+def _server_profile(args: argparse.Namespace) -> Any:
+    """The ranks' profile: ``--profile`` and ``--audit-sample`` as ``hicache-obs instrument``
+    takes them (default: ``$HICACHE_OBS_PROFILE``, else ``metrics``); kept in ``args``."""
+    from hicache_obs._profiles import PROFILE_ENV, profile_from_env, resolve_profile
+    from hicache_obs.errors import ConfigError
+
+    name, share = getattr(args, "profile", None), getattr(args, "audit_sample", None)
+    try:
+        if name is None and share is None:
+            profile = profile_from_env()
+        else:
+            profile = resolve_profile(name or os.environ.get(PROFILE_ENV) or None, share, default="metrics")
+    except ConfigError as exc:
+        raise CliError(f"--profile/--audit-sample: {exc}") from None
+    args.resolved_profile = profile
+    return profile
 
 
 def _sglang_harness(args: argparse.Namespace, spec: Any) -> Any:
@@ -711,6 +777,13 @@ def _serve(url: str, *, quiet: bool) -> None:
 
 
 # -------------------------------------------------------------- summary
+def _profile_text(s: dict[str, Any]) -> str:
+    """``audit``, ``metrics``, or ``sampling (1 % audited)``."""
+    if s["profile"] != "sampling":
+        return str(s["profile"])
+    return f"sampling ({s['audit_sample']:.4g} of the operations audited)"
+
+
 def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
     from rich.table import Table
 
@@ -721,7 +794,8 @@ def _print_summary(s: dict[str, Any], *, serving: bool = False) -> None:
     con.print(
         f"[bold]hicache-obs demo[/]: {s['model']} on {s['runtime']} ({engine}), {s['steps']} requests, seed {s['seed']}, "
         f"{s['wall_seconds']:.2f} s\n"
-        f"{s['io_backend']} io backend, {s['layout']} host layout, {s['write_policy']}{fault}"
+        f"{s['io_backend']} io backend, {s['layout']} host layout, {s['write_policy']}{fault}, "
+        f"profile {_profile_text(s)}"
     )
 
     t = Table(title="Transfers (completed)", title_justify="left")

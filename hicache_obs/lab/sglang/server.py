@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hicache_obs._profiles import Profile
 from hicache_obs.errors import ConfigError, HiCacheError
 from hicache_obs.lab.sglang import cpu_server
 
@@ -245,6 +246,7 @@ class SGLangServer:
     metrics_port: int | None = None
     """``hicache-obs instrument --metrics-port``: rank N serves on this port + N."""
     otlp_endpoint: str | None = None
+    profile: Profile | None = None  # the ranks' (None: the launcher's default)
     """``hicache-obs instrument --otlp-endpoint``: where the spans go."""
     fault_file: Path | None = None
     """While this file exists, loads copy nothing (:data:`.cpu_server.FAULT_ENV`)."""
@@ -293,6 +295,10 @@ class SGLangServer:
             front += ["--metrics-port", str(self.metrics_port)]
         if self.otlp_endpoint is not None:
             front += ["--otlp-endpoint", self.otlp_endpoint]
+        if self.profile is not None:
+            front += ["--profile", self.profile.name]
+            if self.profile.name == "sampling":
+                front += ["--audit-sample", repr(self.profile.audit_sample)]
         return [*front, "--", *server]
 
     #: How many ports :meth:`start` tries when another process took the one it picked.

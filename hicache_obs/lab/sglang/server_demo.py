@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hicache_obs._profiles import Profile
 from hicache_obs.errors import ConfigError, IntegrationError
 from hicache_obs.lab.sglang.server import (
     Conversations,
@@ -92,6 +93,7 @@ class ServerDemo:
     seed: int = 0
     metrics_port: int = 0
     otlp_endpoint: str | None = None
+    profile: Profile | None = None  # the ranks' (None: the launcher's default)
     say: Callable[[str], None] = lambda msg: None
 
     def server(self) -> SGLangServer:
@@ -107,6 +109,7 @@ class ServerDemo:
         return SGLangServer(
             config, self.out / "server.log", python=sys.executable, instrument_out=self.out,
             metrics_port=self.metrics_port or free_port(), otlp_endpoint=self.otlp_endpoint,
+            profile=self.profile,
         )  # fmt: skip
 
     def conversations(self) -> Conversations:

@@ -410,12 +410,19 @@ def test_two_tensor_parallel_ranks(models: dict[str, Path], tmp_path: Path) -> N
 def test_demo_engine_sglang_runs_the_real_server(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "hicache_obs", "demo", "--engine", "sglang", "--steps", "40", "--json", "--out", str(out)],
+        [sys.executable, "-m", "hicache_obs", "demo", "--engine", "sglang", "--steps", "40", "--json", "--out", str(out),
+         "--profile", "audit"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = json.loads(proc.stdout)
     assert (s["engine"], s["model"], s["served_model"], s["runtime"]) == ("sglang", "tiny_hybrid", "lfm2", "cpu")
+    # the ranks ran the profile the demo was given (the launcher's default is metrics)
+    assert (s["profile"], s["audit_sample"]) == ("audit", 1.0)
+    from hicache_obs.events._replay import replay
+
+    kinds = {type(e).__name__ for e in replay(out / "rank-0").events}
+    assert "SlotsAllocated" in kinds  # only audit records allocations
     assert s["requests"] == 40 and s["ranks"] == [0]
     assert s["violations"] == {}
     assert s["data_intact"] is True and s["checked_requests"] > 0 and s["host_hit_tokens"] > 0
