@@ -106,7 +106,7 @@ def make_pools(
             (host, "host", host.size, host.slot_bytes, layout),
         ):
             emit(PoolCreated, pool=name, tier=tier, capacity=cap, page_size=ps, slot_bytes=sb, layout=lay)
-            pool.allocator = SlotAllocator(name, tier, table(name, tier), emit)
+            pool.allocator = SlotAllocator(name, tier, table(name, tier), emit, runtime)
         device_pools[name] = dev
         host_pools[name] = host
     return device_pools, host_pools
@@ -121,11 +121,12 @@ def host_size(device_slots: int, page_size: int, *, ratio: float) -> int:
 class SlotAllocator:
     """Page-granular allocator of one pool on one tier, driven by events."""
 
-    def __init__(self, pool: str, tier: str, table: SlotTable, emit: Emit) -> None:
+    def __init__(self, pool: str, tier: str, table: SlotTable, emit: Emit, runtime: Runtime) -> None:
         self.pool = pool
         self.tier = tier
         self.table = table
         self._emit = emit
+        self._runtime = runtime
 
     @property
     def page_size(self) -> int:

@@ -550,6 +550,11 @@ class CacheState:
             self.anomalies.append((ev.seq, "double_free", f"{ev.pool}/{ev.tier} slots {first_slots(bad)}"))
         return bad
 
+    def apply_freed(self, ev: SlotsFreed) -> Runs:
+        """:meth:`apply` for a ``SlotsFreed``, returning the slots that were not allocated (runs)."""
+        self.last_seq = ev.seq
+        return self._slots_freed(ev)
+
     @_folds(AllocationFailed)
     def _allocation_failed(self, ev: AllocationFailed) -> None:
         self.allocation_failures += 1

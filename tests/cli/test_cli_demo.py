@@ -271,23 +271,77 @@ def test_the_human_summary_names_the_profile(cli: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "env", "message"),
     [
-        (["--profile", "audit", "--audit-sample", "0.5"], "--profile/--audit-sample: audit_sample 0.5: the audit "
-         "profile audits every operation"),
-        (["--profile", "sampling", "--audit-sample", "0"], "--profile/--audit-sample: audit_sample 0: the sampling "
-         "profile needs a share above 0"),
-        (["--engine", "sglang-controller", "--profile", "metrics"], "--engine sglang-controller takes --profile "
-         "audit only, got 'metrics'"),
+        (["--profile", "audit", "--audit-sample", "0.5"], {}, "--profile audit --audit-sample 0.5: audit_sample 0.5: "
+         "the audit profile audits every operation"),
+        (["--profile", "sampling", "--audit-sample", "0"], {}, "--profile sampling --audit-sample 0.0: audit_sample "
+         "0: the sampling profile needs a share above 0"),
+        (["--engine", "sglang-controller", "--profile", "metrics"], {}, "--profile metrics: --engine "
+         "sglang-controller takes the audit profile only, not 'metrics'"),
+        (["--engine", "sglang-controller"], {"HICACHE_OBS_PROFILE": "metrics"}, "HICACHE_OBS_PROFILE=metrics: "
+         "--engine sglang-controller takes the audit profile only, not 'metrics'"),
+        ([], {"HICACHE_OBS_PROFILE": "bogus"}, "HICACHE_OBS_PROFILE=bogus HICACHE_OBS_AUDIT_SAMPLE=: profile must "
+         "be one of metrics, audit, sampling; got 'bogus'"),
+        (["--engine", "sglang"], {"HICACHE_OBS_AUDIT_SAMPLE": "2"}, "HICACHE_OBS_AUDIT_SAMPLE must be a number "
+         "from 0 to 1, got '2'"),
     ],
 )  # fmt: skip
 def test_a_profile_the_run_cannot_take_is_one_line_before_anything_starts(
-    cli: Any, tmp_path: Path, argv: list[str], message: str
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], message: str
 ) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
     out = tmp_path / "never"
     code, _, err = cli("demo", "--steps", "5", "--out", str(out), *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "profile"),
+    [
+        ([], {}, ("audit", 1.0)),
+        (["--audit-sample", "0"], {}, ("metrics", 0.0)),  # a share alone: metrics with that share
+        ([], {"HICACHE_OBS_PROFILE": "metrics"}, ("metrics", 0.0)),
+        ([], {"HICACHE_OBS_PROFILE": "sampling", "HICACHE_OBS_AUDIT_SAMPLE": "0.5"}, ("sampling", 0.5)),
+        (["--profile", "audit"], {"HICACHE_OBS_PROFILE": "metrics"}, ("audit", 1.0)),  # an option wins
+    ],
+)
+def test_the_profile_comes_from_the_options_else_the_environment_else_audit(
+    cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], profile: Any
+) -> None:
+    monkeypatch.delenv("HICACHE_OBS_PROFILE", raising=False)
+    monkeypatch.delenv("HICACHE_OBS_AUDIT_SAMPLE", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    code, out, err = cli("demo", "--steps", "5", "--json", "--out", str(tmp_path / "o"), *argv)
+    assert code == 0, err
+    s = json.loads(out)
+    assert (s["profile"], s["audit_sample"]) == profile
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "profile"),
+    [
+        ([], {}, ("metrics", 0.0)),  # the launcher's default
+        ([], {"HICACHE_OBS_PROFILE": "audit"}, ("audit", 1.0)),
+        (["--audit-sample", "0.1"], {"HICACHE_OBS_PROFILE": "audit"}, ("sampling", 0.1)),
+    ],
+)
+def test_the_server_demo_resolves_its_ranks_profile_before_it_starts(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], profile: Any
+) -> None:
+    from hicache_obs.cli import build_parser
+    from hicache_obs.lab.cli.demo import _chosen_profile
+
+    monkeypatch.delenv("HICACHE_OBS_PROFILE", raising=False)
+    monkeypatch.delenv("HICACHE_OBS_AUDIT_SAMPLE", raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    args = build_parser().parse_args(["demo", "--engine", "sglang", *argv])
+    got, _ = _chosen_profile(args, "metrics")
+    assert (got.name, got.audit_sample) == profile
 
 
 @pytest.mark.parametrize("share", ["2", "-0.1", "lots"])

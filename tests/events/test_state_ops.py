@@ -102,3 +102,25 @@ def test_merge_anomalies_keep_their_place_among_the_others() -> None:
     ]
     assert st.lifecycles.anomalies is st.anomalies
     assert st.snapshot()["ops"] == {9: (9, "h2d", (), 9, (), "merged", -1)}
+
+
+def test_apply_freed_returns_the_slots_a_free_found_not_allocated() -> None:
+    import msgspec
+
+    from hicache_obs.core import ModelSpec
+    from hicache_obs.events import CacheState, SlotsFreed
+    from hicache_obs.testing import make_controller
+
+    c = make_controller(ModelSpec.tiny(), device_size=512)
+    kv = c.alloc_device(32)
+    state = CacheState()
+    for ev in c.log.events():
+        state.apply(ev)
+    (alloc,) = [e for e in c.log.events() if type(e).__name__ == "SlotsAllocated"]
+    free = SlotsFreed(pool=alloc.pool, tier=alloc.tier, indices=alloc.indices, seq=alloc.seq + 1, ts_ns=alloc.ts_ns)
+    assert state.apply_freed(free) == () and state.last_seq == free.seq  # they were allocated
+    again = msgspec.structs.replace(free, seq=free.seq + 1)
+    assert [tuple(r) for r in state.apply_freed(again)] == [tuple(r) for r in alloc.indices]  # a double free
+    assert any(kind == "double_free" for _, kind, _ in state.anomalies)
+    del kv
+    c.close()

@@ -79,6 +79,9 @@ examples:
   hicache-obs demo --otlp-endpoint http://127.0.0.1:4318
       also send one span per transfer over OTLP/HTTP (or set
       OTEL_EXPORTER_OTLP_ENDPOINT)
+  hicache-obs demo --fault unrecorded-pool-indices --profile metrics
+      the same finding at the profile a production launcher runs (no slot
+      values); --audit-sample 0.01 audits one operation in a hundred in full
   hicache-obs demo --model tiny_swa --runtime cpu --json
   hicache-obs demo --engine sglang --steps 60
       SGLang's real server (python -m sglang.launch_server, HiCache on, a tiny
@@ -227,8 +230,8 @@ def register(sub: Any) -> None:
         choices=list(PROFILES),
         default=None,
         metavar="NAME",
-        help="how much evidence the controller records: %(choices)s (default: audit; with --engine "
-        "sglang the launcher's, $HICACHE_OBS_PROFILE else metrics; --engine sglang-controller takes "
+        help="how much evidence the controller records: %(choices)s (default: $HICACHE_OBS_PROFILE, "
+        "else audit, or with --engine sglang the launcher's metrics; --engine sglang-controller takes "
         "audit only)",
     )
     p.add_argument(
@@ -236,8 +239,8 @@ def register(sub: Any) -> None:
         type=_share,
         default=None,
         metavar="SHARE",
-        help="share of the operations audited in full, 0 to 1 (alone or with metrics: sampling; default "
-        "for sampling 0.01)",
+        help="share of the operations audited in full, 0 to 1 (alone or with metrics: sampling above 0; "
+        "default for sampling 0.01)",
     )
     p.add_argument("--serve", action="store_true", help="keep /metrics up after the run until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -430,7 +433,7 @@ def _run_server(args: argparse.Namespace) -> int:
     sd.check_server_options(
         model=args.model, runtime=args.runtime, fault=args.fault, io_backend=args.io_backend, layout=args.layout
     )
-    profile = _server_profile(args)
+    profile, _ = _chosen_profile(args, "metrics")  # the launcher's default
     release = sd.require_server()  # refusals and a missing server: before --out is touched
     args.runtime, args.layout = "cpu", args.layout or "page_first"
     out = Path(args.out)
@@ -457,7 +460,9 @@ def _run_server(args: argparse.Namespace) -> int:
             raise sd.stopped_error(server, exc) from None
         if args.serve:  # the summary of the folders as they are, then /metrics until Ctrl-C
             _show_server_summary(
-                args, _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint), t_start
+                args,
+                _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint, profile),
+                t_start,
             )
             try:
                 _serve(metrics_url, quiet=args.json)
@@ -466,7 +471,7 @@ def _run_server(args: argparse.Namespace) -> int:
             return EXIT_OK
     # the server is down: every rank closed its log, the summary counts every event it wrote
     _show_server_summary(
-        args, _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint), t_start
+        args, _server_summary(args, release, out, server, turns, data, metrics_url, otlp_endpoint, profile), t_start
     )
     return EXIT_OK
 
@@ -481,7 +486,7 @@ def _show_server_summary(args: argparse.Namespace, summary: dict[str, Any], t_st
 
 def _server_summary(
     args: argparse.Namespace, release: str, out: Path, server: Any, turns: list[Any], data: dict[str, Any],
-    metrics_url: str, otlp_endpoint: str | None,
+    metrics_url: str, otlp_endpoint: str | None, profile: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """The server demo's summary, from its rank folders."""
     from hicache_obs.cli._summary import transfer_totals
@@ -508,8 +513,8 @@ def _server_summary(
         "layout": args.layout,
         "write_policy": args.write_policy,
         "fault": None,
-        "profile": args.resolved_profile.name,
-        "audit_sample": args.resolved_profile.audit_sample,
+        "profile": profile.name,
+        "audit_sample": profile.audit_sample,
         "events": res.n_events,
         "ranks": res.ranks,
         **transfer_totals(res.events).to_dict(),
@@ -549,42 +554,39 @@ def _print_server_summary(s: dict[str, Any]) -> None:
         con.print(line, soft_wrap=True)
 
 
-def _profile(args: argparse.Namespace) -> Any:
-    """The controller's profile, from ``--profile`` and ``--audit-sample`` (default ``audit``;
-    a share alone: ``sampling``).
-    ``--engine sglang-controller`` takes ``audit`` only: it reads the slots a load or write
-    took from the log's ``SlotsAllocated`` events, which only ``audit`` records."""
-    from hicache_obs._profiles import resolve_profile
+def _chosen_profile(args: argparse.Namespace, default: str) -> tuple[Any, str]:
+    """The profile ``--profile`` and ``--audit-sample`` name (a share alone: ``metrics`` with that
+    share, so ``sampling`` above 0), else ``HICACHE_OBS_PROFILE`` and ``HICACHE_OBS_AUDIT_SAMPLE``,
+    else ``default``; with where it came from, for a message. A bad value is a
+    :class:`CliError` naming the options or variables that gave it."""
+    from hicache_obs._profiles import AUDIT_SAMPLE_ENV, PROFILE_ENV, profile_from_env, resolve_profile
     from hicache_obs.errors import ConfigError
 
     name, share = getattr(args, "profile", None), getattr(args, "audit_sample", None)
-    try:  # a share alone is the sampling profile
-        profile = resolve_profile(name if name is not None or share is None else "sampling", share)
+    if name is None and share is None:
+        try:
+            profile = profile_from_env(default=default)
+        except ConfigError as exc:
+            raise CliError(str(exc)) from None  # it names the variables
+        named = [f"{var}={os.environ[var]}" for var in (PROFILE_ENV, AUDIT_SAMPLE_ENV) if os.environ.get(var)]
+        return profile, " ".join(named) or "the default"
+    given = " ".join(f"{opt} {val}" for opt, val in (("--profile", name), ("--audit-sample", share)) if val is not None)
+    try:
+        return resolve_profile(name or "metrics", share), given
     except ConfigError as exc:
-        raise CliError(f"--profile/--audit-sample: {exc}") from None
+        raise CliError(f"{given}: {exc}") from None
+
+
+def _profile(args: argparse.Namespace) -> Any:
+    """The demo controller's profile (default ``audit``). ``--engine sglang-controller`` takes
+    ``audit`` only: it reads the slots a load or write took from the log's ``SlotsAllocated``
+    events, which only ``audit`` records."""
+    profile, given = _chosen_profile(args, "audit")
     if getattr(args, "engine", "ours") == "sglang-controller" and not profile.full:
         raise CliError(
-            f"--engine sglang-controller takes --profile audit only, got {profile.name!r}: it reads the "
-            "slots SGLang took from the allocation events only that profile records"
+            f"{given}: --engine sglang-controller takes the audit profile only, not {profile.name!r}: it "
+            "reads the slots SGLang took from the allocation events only that profile records"
         )
-    return profile
-
-
-def _server_profile(args: argparse.Namespace) -> Any:
-    """The ranks' profile: ``--profile`` and ``--audit-sample`` as ``hicache-obs instrument``
-    takes them (default: ``$HICACHE_OBS_PROFILE``, else ``metrics``); kept in ``args``."""
-    from hicache_obs._profiles import PROFILE_ENV, profile_from_env, resolve_profile
-    from hicache_obs.errors import ConfigError
-
-    name, share = getattr(args, "profile", None), getattr(args, "audit_sample", None)
-    try:
-        if name is None and share is None:
-            profile = profile_from_env()
-        else:
-            profile = resolve_profile(name or os.environ.get(PROFILE_ENV) or None, share, default="metrics")
-    except ConfigError as exc:
-        raise CliError(f"--profile/--audit-sample: {exc}") from None
-    args.resolved_profile = profile
     return profile
 
 
@@ -778,7 +780,7 @@ def _serve(url: str, *, quiet: bool) -> None:
 
 # -------------------------------------------------------------- summary
 def _profile_text(s: dict[str, Any]) -> str:
-    """``audit``, ``metrics``, or ``sampling (1 % audited)``."""
+    """``audit``, ``metrics``, or ``sampling (0.01 of the operations audited)``."""
     if s["profile"] != "sampling":
         return str(s["profile"])
     return f"sampling ({s['audit_sample']:.4g} of the operations audited)"

@@ -246,8 +246,9 @@ class SGLangServer:
     metrics_port: int | None = None
     """``hicache-obs instrument --metrics-port``: rank N serves on this port + N."""
     otlp_endpoint: str | None = None
-    profile: Profile | None = None  # the ranks' (None: the launcher's default)
     """``hicache-obs instrument --otlp-endpoint``: where the spans go."""
+    profile: Profile | None = None
+    """``hicache-obs instrument --profile`` (and ``--audit-sample``): the ranks' (None: the launcher's default)."""
     fault_file: Path | None = None
     """While this file exists, loads copy nothing (:data:`.cpu_server.FAULT_ENV`)."""
     env: dict[str, str] = field(default_factory=dict)

@@ -293,8 +293,8 @@ NOT_ON_PYPI = [
     "The rule `misplaced_indices` reports a free (or an allocation's `last_loc`) handed indices",
     "on another device than the pool's free lists. It reports it before the call runs, from the",
     "tensor's device alone. On every pinned release, the tests hand the Mamba host pool's free a",
-    "transfer's indices on the device. They also hand a device pool's free host indices. Every",
-    "clean run of the table above is also clean of this rule.",
+    "transfer's indices on the device, and a device pool's free host indices. Every clean run of",
+    "the table above is also clean of this rule.",
 ]
 
 
