@@ -5,9 +5,10 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
 - ``logcore`` (``hicache_obs/_logcore.c``): ``EventLog.emit``, the hand-off to a sink
   host's pipe, the replay's seq check (:func:`gap_free_run`); twin:
   ``hicache_obs/events/_logcore_py.py``.
-- ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`) and the
+- ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`), the
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
-  :func:`side_runs`, :func:`dlpack_facts`); twin: ``hicache_obs/events/_slots_py.py``.
+  :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
+  submission (:func:`use_refs`, :func:`recorded`); twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
 
@@ -48,8 +49,10 @@ __all__ = [
     "dlpack_facts",
     "gap_free_run",
     "pair_runs_of",
+    "recorded",
     "runs_of",
     "side_runs",
+    "use_refs",
 ]
 
 NO_EXTENSIONS_ENV = "HICACHE_OBS_NO_EXTENSIONS"
@@ -156,5 +159,7 @@ runs_of = _slots.runs_of
 pair_runs_of = _slots.pair_runs_of
 side_runs = _slots.side_runs
 dlpack_facts = _slots.dlpack_facts
+use_refs = _slots.use_refs
+recorded = _slots.recorded
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

@@ -882,6 +882,340 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- a submission's tensors
+ *
+ * use_refs and recorded are the SGLang adapter's description of one submission, run once
+ * it returned, with torch function dispatch off (the caller's): the TensorRef of each
+ * index tensor its copies received, and which of them its record_stream calls held. They
+ * ran as about fifteen Python calls a submission; here they are two.
+ *
+ * use_refs(uses, cache, ref_type, names, slow) -> list
+ *   uses      dict (pool, role) -> tensor, in the order the copies received them
+ *   cache     dict (id(tensor), pool, role) -> TensorRef: read, and filled with what is made
+ *   ref_type  the TensorRef class
+ *   names     (dtype names: dict dtype -> str, device names: dict torch.device -> str,
+ *              the torch.device class)
+ *   slow      tensor_meta(tensor, pool, role) -> TensorRef, the pure description
+ * A tensor is described here where it reports is_cuda with a device of the torch.device
+ * class that names holds, or is_cpu, and its dtype is in names: the fields tensor_meta
+ * would give. Any other tensor goes to slow. */
+static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_ptr, *s_cpu, *s_ptr, *s_kwnames;
+
+static int describe_strings(void) {
+    if (s_kwnames)
+        return 0;
+    s_is_cuda = PyUnicode_InternFromString("is_cuda");
+    s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    s_device = PyUnicode_InternFromString("device");
+    s_dtype = PyUnicode_InternFromString("dtype");
+    s_numel = PyUnicode_InternFromString("numel");
+    s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    s_cpu = PyUnicode_InternFromString("cpu");
+    s_ptr = PyUnicode_InternFromString("ptr");
+    if (!s_is_cuda || !s_is_cpu || !s_device || !s_dtype || !s_numel || !s_data_ptr || !s_cpu || !s_ptr)
+        return -1;
+    s_kwnames = Py_BuildValue("(ssssss)", "pool", "role", "device", "numel", "dtype", "ptr");
+    return s_kwnames ? 0 : -1;
+}
+
+/* A borrowed bool attribute: 1, 0, or -1 with an error. */
+static int attr_true(PyObject *t, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(t, name);
+    if (!v)
+        return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* The device name tensor_meta gives t, new reference; NULL with no error: ask slow. */
+static PyObject *fast_device(PyObject *t, PyObject *cuda_names, PyObject *device_type) {
+    int cuda = attr_true(t, s_is_cuda);
+    if (cuda < 0)
+        return NULL;
+    if (cuda) {
+        PyObject *dev = PyObject_GetAttr(t, s_device);
+        if (!dev)
+            return NULL;
+        PyObject *name = NULL;
+        if ((PyObject *)Py_TYPE(dev) == device_type) {
+            name = PyDict_GetItemWithError(cuda_names, dev); /* borrowed */
+            Py_XINCREF(name);
+        }
+        Py_DECREF(dev);
+        return name; /* a miss (or an error) goes to slow, which fills the names */
+    }
+    int cpu = attr_true(t, s_is_cpu);
+    if (cpu <= 0)
+        return NULL;
+    Py_INCREF(s_cpu);
+    return s_cpu;
+}
+
+/* tensor_meta(t, pool, role) where every field reads the fast way; NULL with no error
+ * where one does not (the caller asks slow), NULL with an error on a failed read. */
+static PyObject *fast_meta(PyObject *t, PyObject *pool, PyObject *role, PyObject *ref_type, PyObject *dtype_names,
+                           PyObject *cuda_names, PyObject *device_type) {
+    PyObject *numel = NULL, *dev = NULL, *dtype = NULL, *dname, *ptr = NULL, *ref = NULL;
+    numel = PyObject_CallMethodNoArgs(t, s_numel);
+    if (!numel)
+        return NULL;
+    dev = fast_device(t, cuda_names, device_type);
+    if (!dev)
+        goto done;
+    dtype = PyObject_GetAttr(t, s_dtype);
+    if (!dtype)
+        goto done;
+    dname = PyDict_GetItemWithError(dtype_names, dtype); /* borrowed */
+    if (!dname)
+        goto done;
+    int nonzero = PyObject_IsTrue(numel);
+    if (nonzero < 0)
+        goto done;
+    if (nonzero)
+        ptr = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    else
+        ptr = PyLong_FromLong(0);
+    if (!ptr)
+        goto done;
+    PyObject *args[6] = {pool, role, dev, numel, dname, ptr};
+    ref = PyObject_Vectorcall(ref_type, args, 0, s_kwnames);
+done:
+    Py_XDECREF(numel);
+    Py_XDECREF(dev);
+    Py_XDECREF(dtype);
+    Py_XDECREF(ptr);
+    return ref;
+}
+
+static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "use_refs() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *uses = args[0], *cache = args[1], *ref_type = args[2], *names = args[3], *slow = args[4];
+    if (!PyDict_Check(uses) || !PyDict_Check(cache)) {
+        PyErr_SetString(PyExc_TypeError, "use_refs(): uses and cache are dicts");
+        return NULL;
+    }
+    if (!PyCallable_Check(ref_type) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "use_refs(): ref_type (the TensorRef class) and slow are callables");
+        return NULL;
+    }
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 3 || !PyDict_Check(PyTuple_GET_ITEM(names, 0)) ||
+        !PyDict_Check(PyTuple_GET_ITEM(names, 1))) {
+        PyErr_SetString(PyExc_TypeError, "use_refs(): names is (dtype names dict, device names dict, device class)");
+        return NULL;
+    }
+    if (describe_strings() < 0)
+        return NULL;
+    PyObject *dtype_names = PyTuple_GET_ITEM(names, 0), *cuda_names = PyTuple_GET_ITEM(names, 1);
+    PyObject *device_type = PyTuple_GET_ITEM(names, 2);
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *key, *t;
+    while (PyDict_Next(uses, &pos, &key, &t)) {
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
+            PyErr_Format(PyExc_TypeError, "use_refs(): a key of uses is (pool, role), got %R", key);
+            goto fail;
+        }
+        PyObject *pool = PyTuple_GET_ITEM(key, 0), *role = PyTuple_GET_ITEM(key, 1);
+        PyObject *ck = Py_BuildValue("(NOO)", PyLong_FromVoidPtr(t), pool, role);
+        if (!ck)
+            goto fail;
+        PyObject *ref = PyDict_GetItemWithError(cache, ck); /* borrowed */
+        if (ref) {
+            Py_INCREF(ref);
+        } else if (!PyErr_Occurred()) {
+            ref = fast_meta(t, pool, role, ref_type, dtype_names, cuda_names, device_type);
+            if (!ref && !PyErr_Occurred())
+                ref = PyObject_CallFunctionObjArgs(slow, t, pool, role, NULL);
+            if (ref && PyDict_SetItem(cache, ck, ref) < 0)
+                Py_CLEAR(ref);
+        }
+        Py_DECREF(ck);
+        if (!ref)
+            goto fail;
+        int r = PyList_Append(out, ref);
+        Py_DECREF(ref);
+        if (r < 0)
+            goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* recorded(tensors, refs, records, stream, stream_name, stream_names) -> list
+ *   tensors       the submission's used tensors, in order (its uses' values)
+ *   refs          their TensorRefs, in the same order
+ *   records       [(tensor, stream), ...], the record_stream calls made, in order
+ *   stream        the submission's stream, named stream_name
+ *   stream_names  dict id(stream) -> name; a stream not in it is "stream@<id in hex>"
+ * Each record on a used tensor is (its place in tensors, the stream's name); a record on
+ * another tensor object with the same memory (data_ptr, or 0 when empty, and numel) as
+ * used ones counts for them; a record on other memory for none. A tensor several places
+ * hold is recorded for each. */
+/* "stream@<id in hex>", as the adapter names a stream it does not know */
+static PyObject *unnamed_stream(PyObject *stream) {
+    char buf[40];
+    PyOS_snprintf(buf, sizeof buf, "stream@%llx", (unsigned long long)(uintptr_t)stream);
+    return PyUnicode_FromString(buf);
+}
+
+static void free_facts(Py_ssize_t *order, PyObject **facts, Py_ssize_t n) {
+    if (facts)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(facts[i]);
+    PyMem_Free(facts);
+    PyMem_Free(order);
+}
+
+static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "recorded() takes 6 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *tensors = args[0], *refs = args[1], *records = args[2], *stream = args[3], *stream_name = args[4];
+    PyObject *stream_names = args[5];
+    if (!PyList_Check(tensors) || !PyList_Check(refs) || !PyList_Check(records) || !PyDict_Check(stream_names)) {
+        PyErr_SetString(PyExc_TypeError, "recorded(): tensors, refs and records are lists, stream_names a dict");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(tensors);
+    if (PyList_GET_SIZE(refs) != n) {
+        PyErr_Format(PyExc_ValueError, "recorded(): %zd tensors and %zd refs", n, PyList_GET_SIZE(refs));
+        return NULL;
+    }
+    if (describe_strings() < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    /* the order a record on other memory lists its hits in: the used tensors' distinct
+     * objects in the order first seen, each with all its places */
+    Py_ssize_t *order = NULL;
+    PyObject **facts = NULL; /* (ptr, numel) of each ref, read once a record needs them */
+    for (Py_ssize_t r = 0; r < PyList_GET_SIZE(records); r++) {
+        PyObject *rec = PyList_GET_ITEM(records, r);
+        if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) != 2) {
+            PyErr_Format(PyExc_TypeError, "recorded(): a record is (tensor, stream), got %R", rec);
+            goto fail;
+        }
+        PyObject *tensor = PyTuple_GET_ITEM(rec, 0), *rec_stream = PyTuple_GET_ITEM(rec, 1);
+        Py_ssize_t first = -1;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (PyList_GET_ITEM(tensors, i) == tensor) {
+                first = i;
+                break;
+            }
+        PyObject *key = NULL; /* (data_ptr or 0, numel) of the record's tensor */
+        if (first < 0) { /* the same memory seen through another tensor object */
+            if (!order) {
+                order = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+                facts = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+                if (!order || !facts) {
+                    PyErr_NoMemory();
+                    goto fail;
+                }
+                Py_ssize_t k = 0;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    PyObject *ti = PyList_GET_ITEM(tensors, i);
+                    int seen = 0;
+                    for (Py_ssize_t j = 0; j < i; j++)
+                        if (PyList_GET_ITEM(tensors, j) == ti) {
+                            seen = 1;
+                            break;
+                        }
+                    if (seen)
+                        continue;
+                    for (Py_ssize_t j = i; j < n; j++)
+                        if (PyList_GET_ITEM(tensors, j) == ti)
+                            order[k++] = j;
+                }
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    PyObject *ref = PyList_GET_ITEM(refs, i);
+                    PyObject *p = PyObject_GetAttr(ref, s_ptr);
+                    PyObject *m = p ? PyObject_GetAttr(ref, s_numel) : NULL;
+                    facts[i] = m ? PyTuple_Pack(2, p, m) : NULL;
+                    Py_XDECREF(p);
+                    Py_XDECREF(m);
+                    if (!facts[i])
+                        goto fail;
+                }
+            }
+            PyObject *m = PyObject_CallMethodNoArgs(tensor, s_numel);
+            if (!m)
+                goto fail;
+            int nonzero = PyObject_IsTrue(m);
+            PyObject *p = nonzero > 0 ? PyObject_CallMethodNoArgs(tensor, s_data_ptr) : nonzero == 0 ? PyLong_FromLong(0) : NULL;
+            key = p ? PyTuple_Pack(2, p, m) : NULL;
+            Py_XDECREF(p);
+            Py_DECREF(m);
+            if (!key)
+                goto fail;
+        }
+        PyObject *name = NULL;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            Py_ssize_t i;
+            if (first >= 0) {
+                i = k;
+                if (PyList_GET_ITEM(tensors, i) != tensor)
+                    continue;
+            } else {
+                i = order[k];
+                int eq = PyObject_RichCompareBool(facts[i], key, Py_EQ);
+                if (eq < 0) {
+                    Py_XDECREF(name);
+                    Py_DECREF(key);
+                    goto fail;
+                }
+                if (!eq)
+                    continue;
+            }
+            if (!name) {
+                if (rec_stream == stream) {
+                    name = stream_name;
+                    Py_INCREF(name);
+                } else {
+                    PyObject *id = PyLong_FromVoidPtr(rec_stream);
+                    if (!id) {
+                        Py_XDECREF(key);
+                        goto fail;
+                    }
+                    name = PyDict_GetItemWithError(stream_names, id);
+                    Py_DECREF(id);
+                    if (name && PyObject_IsTrue(name) == 1)
+                        Py_INCREF(name);
+                    else if (PyErr_Occurred() || !(name = unnamed_stream(rec_stream))) {
+                        Py_XDECREF(key);
+                        goto fail;
+                    }
+                }
+            }
+            PyObject *hit = Py_BuildValue("(nO)", i, name);
+            if (!hit || PyList_Append(out, hit) < 0) {
+                Py_XDECREF(hit);
+                Py_DECREF(name);
+                Py_XDECREF(key);
+                goto fail;
+            }
+            Py_DECREF(hit);
+        }
+        Py_XDECREF(name);
+        Py_XDECREF(key);
+    }
+    free_facts(order, facts, n);
+    return out;
+fail:
+    free_facts(order, facts, n);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef module_methods[] = {
     {"runs_of", runs_of, METH_O,
      "runs_of(values, /)\n--\n\n((start, length), ...) of consecutive values, from a sequence of ints or a 1-D "
@@ -892,6 +1226,13 @@ static PyMethodDef module_methods[] = {
     {"pair_runs_of", pair_runs_of, METH_VARARGS,
      "pair_runs_of(host, device, /)\n--\n\n((host_start, device_start, length), ...) of index pairs consecutive on "
      "both sides; as zip(), up to the shorter side."},
+    {"use_refs", (PyCFunction)(void (*)(void))use_refs, METH_FASTCALL,
+     "use_refs(uses, cache, ref_type, names, slow, /)\n--\n\nThe TensorRef of each tensor of uses ((pool, role) -> "
+     "tensor), made once per (id, pool, role) in cache; slow(tensor, pool, role) describes what the fast reads do "
+     "not."},
+    {"recorded", (PyCFunction)(void (*)(void))recorded, METH_FASTCALL,
+     "recorded(tensors, refs, records, stream, stream_name, stream_names, /)\n--\n\n[(place in tensors, stream "
+     "name), ...]: the records (tensor, stream) made on the used tensors, or on their memory."},
     {"dlpack_facts", dlpack_facts, METH_O,
      "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
      "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "

@@ -20,6 +20,9 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   1-D integer buffers such as numpy views of index tensors).
 - ``dlpack_facts``: size, address and value runs of the tensor a DLPack ``"dltensor"``
   capsule holds (read through ``ctypes``).
+- ``use_refs`` / ``recorded``: the SGLang adapter's description of one submission, its
+  tensors' ``TensorRef`` and the records made on them (the C module describes most
+  tensors itself; here ``slow`` describes every one).
 
 Its one difference: memory. A freed page costs a dict entry here (about 100 bytes) where
 the C lists cost 10 bytes a page, so a replay of pools of tens of millions of slots, all
@@ -642,3 +645,71 @@ def dlpack_facts(capsule: Any, /) -> tuple[int, int, int, int, int, int, tuple[t
             values = np.frombuffer(raw, dtype=np.dtype(kind), count=span)[:: max(stride, 1)]
             runs = runs_of(values.astype(np.int64, copy=False))
     return (t.device.device_type, t.device.device_id, numel, code, bits, ptr, runs)
+
+
+def use_refs(uses: Any, cache: Any, ref_type: Any, names: Any, slow: Any, /) -> list[Any]:
+    """The ``TensorRef`` of each tensor of ``uses`` (``(pool, role) -> tensor``, in order), made
+    once per ``(id(tensor), pool, role)`` in ``cache`` by ``slow(tensor, pool, role)``.
+    ``ref_type`` and ``names`` (the dtype names, the device names, the ``torch.device``
+    class) are what the C module reads the common tensors with; they do not change the
+    result."""
+    if not isinstance(uses, dict) or not isinstance(cache, dict):
+        raise TypeError("use_refs(): uses and cache are dicts")
+    if not callable(ref_type) or not callable(slow):
+        raise TypeError("use_refs(): ref_type (the TensorRef class) and slow are callables")
+    if not (isinstance(names, tuple) and len(names) == 3 and isinstance(names[0], dict) and isinstance(names[1], dict)):
+        raise TypeError("use_refs(): names is (dtype names dict, device names dict, device class)")
+    out = []
+    for key, t in uses.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise TypeError(f"use_refs(): a key of uses is (pool, role), got {key!r}")
+        pool, role = key
+        ck = (id(t), pool, role)
+        got = cache.get(ck)
+        if got is None:
+            got = cache[ck] = slow(t, pool, role)
+        out.append(got)
+    return out
+
+
+def recorded(
+    tensors: Any, refs: Any, records: Any, stream: Any, stream_name: Any, stream_names: Any, /
+) -> list[tuple[int, Any]]:
+    """``[(place in tensors, stream name), ...]``: each record ``(tensor, stream)`` made on a
+    tensor of ``tensors`` (a used tensor, ``refs`` its ``TensorRef``), in record order. A record
+    on another tensor object with the same memory (``data_ptr``, 0 when empty, and ``numel``)
+    counts for the used tensors with that memory; a record on other memory for none. The
+    stream's name is ``stream_name`` for ``stream``, else ``stream_names[id(stream)]``, else
+    ``"stream@<id in hex>"``."""
+    if not (isinstance(tensors, list) and isinstance(refs, list) and isinstance(records, list)):
+        raise TypeError("recorded(): tensors, refs and records are lists, stream_names a dict")
+    if not isinstance(stream_names, dict):
+        raise TypeError("recorded(): tensors, refs and records are lists, stream_names a dict")
+    if len(refs) != len(tensors):
+        raise ValueError(f"recorded(): {len(tensors)} tensors and {len(refs)} refs")
+    by_id: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_id.setdefault(id(t), []).append(i)
+    by_ptr: dict[tuple[Any, Any], list[int]] | None = None  # built if a record needs it
+    out: list[tuple[int, Any]] = []
+    for rec in records:
+        if not (isinstance(rec, tuple) and len(rec) == 2):
+            raise TypeError(f"recorded(): a record is (tensor, stream), got {rec!r}")
+        tensor, rec_stream = rec
+        hits = by_id.get(id(tensor))
+        if hits is None:  # the same memory seen through another tensor object
+            if by_ptr is None:
+                by_ptr = {}
+                for group in by_id.values():
+                    for i in group:
+                        by_ptr.setdefault((refs[i].ptr, refs[i].numel), []).append(i)
+            numel = tensor.numel()
+            hits = by_ptr.get((tensor.data_ptr() if numel else 0, numel))
+        if not hits:
+            continue  # a tensor no copy of this op received
+        if rec_stream is stream:
+            name = stream_name
+        else:
+            name = stream_names.get(id(rec_stream)) or f"stream@{id(rec_stream):x}"
+        out += [(i, name) for i in hits]
+    return out

@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..._native import runs_of
+from ..._native import recorded, runs_of, use_refs
 from ..._profiles import Profile, Sampler, resolve_profile
 from ...core._spec import ANCHOR
 from ...errors import IntegrationError
@@ -289,12 +289,6 @@ class _Submission:
         if got is None:
             got = self.refs[key] = tensor_ref(t, pool, role) if self.sampled else tensor_meta(t, pool, role)
         return got
-
-
-@dataclass
-class _Pending:
-    op: int
-    direction: str
 
 
 @dataclass(slots=True)
@@ -826,7 +820,7 @@ class Instrumentation:
         self._pools_at = -POOLS_EVERY_NS  # when the last submission carried the occupancy
         self._lock = threading.RLock()
         self._undo: list[Callable[[], None]] = []
-        self._pending: dict[int, _Pending] = {}  # id(ack) -> op
+        self._pending: dict[int, tuple[int, str]] = {}  # id(ack) -> (its op, the op's direction)
         self._stream_names: dict[int, str] = {}
         self._slot_bytes: dict[str, int] = {}
         self._unseen: set[tuple[str, str]] = set()
@@ -842,6 +836,7 @@ class Instrumentation:
         self._durable: tuple[Callable[[], int], Callable[[], None]] | None = None  # make_findings_durable
         self._durable_seen = 0
         self._sidecars: dict[str, Any] = {}  # pool -> host pool: moves with the anchor's slots
+        self._sidecar_pools: tuple[tuple[str, str], ...] = ()  # each op's sidecar_pools: (pool, ANCHOR), by name
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
 
@@ -1115,6 +1110,7 @@ class Instrumentation:
         if self._sidecars.get(name) is pool:
             return
         self._sidecars[name] = pool
+        self._sidecar_pools = tuple((n, ANCHOR) for n in sorted(self._sidecars))
         for meth in _copy_names(pool, self._shape.copy).values():
             self._wrap(pool, meth, self._copy_wrapper(name, pool))
 
@@ -1710,7 +1706,7 @@ class Instrumentation:
             "producer_id": int(result) if sub.direction == H2D and isinstance(result, int) else -1,
             "device": self._device,
             "host_indices_on_cpu": tuple(sub.host_indices_on_cpu),
-            "sidecar_pools": tuple((name, ANCHOR) for name in sorted(self._sidecars)),
+            "sidecar_pools": self._sidecar_pools,
         }
 
     def _recorded(
@@ -1718,26 +1714,10 @@ class Instrumentation:
     ) -> list[tuple[int, str]]:
         """Each ``record_stream`` the submission made on a tensor its copies received: (the
         tensor's place in ``refs``, in ``sub.uses`` order, the stream's name). A tensor several
-        pools' copies received (a draft pool copies with the KV indices) is recorded for each."""
-        by_id: dict[int, list[int]] = {}
-        for i, t in enumerate(sub.uses.values()):
-            by_id.setdefault(id(t), []).append(i)
-        by_ptr: dict[tuple[int, int], list[int]] | None = None  # built if a record needs it
-        out: list[tuple[int, str]] = []
-        for tensor, rec_stream in sub.records:
-            hits = by_id.get(id(tensor))
-            if hits is None:  # the same memory seen through another tensor object
-                if by_ptr is None:
-                    by_ptr = {}
-                    for group in by_id.values():
-                        for i in group:
-                            by_ptr.setdefault((refs[i].ptr, refs[i].numel), []).append(i)
-                hits = by_ptr.get((tensor.data_ptr() if tensor.numel() else 0, tensor.numel()))
-            if hits is None:
-                continue  # a tensor no copy of this op received
-            name = stream_name if rec_stream is stream else self._stream_name(rec_stream)
-            out += [(i, name) for i in hits]
-        return out
+        pools' copies received (a draft pool copies with the KV indices) is recorded for each;
+        a record on another tensor object with the same memory counts for it
+        (:func:`~hicache_obs._native.recorded`)."""
+        return recorded(list(sub.uses.values()), refs, sub.records, stream, stream_name, self._stream_names)
 
     def _submitted_one(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         """A submission as one ``OpsSubmitted`` (``metrics``, ``sampling``): the merged ops as
@@ -1749,7 +1729,10 @@ class Instrumentation:
         stream = getattr(owner, attr)
         stream_name = self._stream_name(stream)
         values = sub.sampled
-        refs = [sub.ref(t, pool, role) for (pool, role), t in sub.uses.items()]
+        if values:
+            refs = [sub.ref(t, pool, role) for (pool, role), t in sub.uses.items()]
+        else:  # as sub.ref: each tensor's metadata, made once
+            refs = use_refs(sub.uses, sub.refs, TensorRef, facts.META_NAMES, tensor_meta)
         records = self._recorded(sub, refs, stream, stream_name)
         moves = list(sub.moves)
         for pool, role, src, dst, ref in sub.side_moves:
@@ -1773,17 +1756,20 @@ class Instrumentation:
                     queued_at.pop(id(q), now),
                 )
             )
-        self._emit(
-            OpsSubmitted,
-            **self._transfer_fields(sub, op_id, stream_name, refs, result),
-            queued=tuple(queued),
-            node_ids=tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else (),
-            moves=tuple(moves),
-            records=tuple(records),
-            sampled=values,
-            pools=pools,
-            audit_sample=self.profile.audit_sample,
-        )
+        try:
+            self.log.emit(
+                OpsSubmitted,
+                **self._transfer_fields(sub, op_id, stream_name, refs, result),
+                queued=tuple(queued),
+                node_ids=tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else (),
+                moves=tuple(moves),
+                records=tuple(records),
+                sampled=values,
+                pools=pools,
+                audit_sample=self.profile.audit_sample,
+            )
+        except Exception:
+            self._failed("record an OpsSubmitted event")
         if error is None and values:
             self._hold(sub, op_id, refs, every=True)
         self._settle_acks(sub, op_id, error)
@@ -1879,8 +1865,9 @@ class Instrumentation:
                 self._pending.pop(id(ack), None)
             self._emit(TransferFailed, op=op_id, direction=sub.direction, error=f"{type(error).__name__}: {error}")
             return
+        pending, waiting = (op_id, sub.direction), self._pending
         for ack in sub.acks:
-            self._pending[id(ack)] = _Pending(op_id, sub.direction)
+            waiting[id(ack)] = pending
 
     # the ack queues' hooks (each guards itself)
     def _ack_appended(self, direction: str, ack: Any) -> None:
@@ -1895,8 +1882,9 @@ class Instrumentation:
         p = self._pending.pop(id(ack), None)
         if p is None:
             return
+        op, op_direction = p
         if self._held:
-            self._held.pop(p.op, None)
+            self._held.pop(op, None)
             if not self._held and self._armed is not None:
                 self._disarm()
         try:
@@ -1909,7 +1897,7 @@ class Instrumentation:
                             duration = int(start.elapsed_time(finish) * 1e6)
                     except (RuntimeError, ValueError, TypeError, NotImplementedError):
                         duration = 0
-            self.log.emit(TransferCompleted, op=p.op, direction=p.direction, duration_ns=max(0, duration))
+            self.log.emit(TransferCompleted, op=op, direction=op_direction, duration_ns=max(0, duration))
         except Exception:
             self._failed("record a TransferCompleted event")
         if self._durable is not None:
@@ -1931,10 +1919,11 @@ class Instrumentation:
     def _ack_cancelled(self, direction: str, why: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is not None:
-            self._held.pop(p.op, None)
+            op, op_direction = p
+            self._held.pop(op, None)
             if not self._held and self._armed is not None:
                 self._disarm()
-            self._emit(TransferFailed, op=p.op, direction=p.direction, error=f"cancelled: {why}")
+            self._emit(TransferFailed, op=op, direction=op_direction, error=f"cancelled: {why}")
 
 
 def _copy_finished(ack: Any) -> bool:

@@ -24,7 +24,7 @@ from ..._native import dlpack_facts, runs_of
 from ...core._torch_compat import no_torch_function, to_dlpack, true_is_cpu
 from ...events._schema import TensorRef
 
-__all__ = ["NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_meta", "tensor_ref"]
+__all__ = ["META_NAMES", "NO_TORCH_FUNCTION", "device_name", "host_runs", "host_values", "tensor_meta", "tensor_ref"]
 
 NO_TORCH_FUNCTION = no_torch_function
 _TRUE_IS_CPU = true_is_cpu  # the storage's device, whatever a subclass reports
@@ -34,6 +34,9 @@ _DL_DTYPES = {(0, 64): "int64", (0, 32): "int32"}  # DLPack (type code, bits): t
 _DL_HOST = (1, 3)  # DLPack device types whose memory the host reads: CPU, CUDA host (pinned)
 _INT64 = np.dtype(np.int64)
 _CUDA_NAMES: dict[torch.device, str] = {}
+#: what :func:`~hicache_obs._native.use_refs` reads most tensors with, as :func:`tensor_meta`
+#: does: the dtype names, the device names :func:`device_name` has made, the device class
+META_NAMES = (_DTYPES, _CUDA_NAMES, torch.device)
 
 
 def device_name(t: torch.Tensor) -> str:

@@ -1,0 +1,167 @@
+"""``use_refs`` and ``recorded``: the SGLang adapter's description of one submission.
+
+The compiled functions (``hicache_obs/_slots.c``) and their pure twins
+(``hicache_obs/events/_slots_py.py``) must give the same results and errors on random
+submissions: tensors that report a CUDA device (a subclass, as a GPU's index tensors, on
+device 0 or 1), CPU tensors of every dtype, empty ones, views, tensors on the ``meta``
+device (neither CPU nor CUDA), one tensor under several keys; records on used tensors, on
+other tensor objects over the same memory, on other memory, on the submission's stream, on
+named and unnamed streams. ``use_refs`` must also give what ``tensor_meta`` gives for each
+tensor, whichever way it read it.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache_obs import _slots as c_slots
+from hicache_obs.events import _slots_py as py_slots
+from hicache_obs.events._schema import TensorRef
+from hicache_obs.integrations.sglang import _tensor_facts as facts
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bool, torch.float32]
+IMPLS = [pytest.param(c_slots, id="c"), pytest.param(py_slots, id="py")]
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that reports a CUDA device (``index``), as a GPU's index tensor does."""
+
+    index = 0
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.index)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        with torch._C.DisableTorchFunctionSubclass():
+            return f"{type(self).__name__}({self.tolist()})"
+
+
+class _OnDevice1(_OnDevice):
+    index = 1
+
+
+class _OddDevice(_OnDevice):
+    """Reports CUDA with a device that is not a ``torch.device``: the pure description's case."""
+
+    @property
+    def device(self) -> Any:  # type: ignore[override]
+        return SimpleNamespace(type="cuda", index=3)
+
+
+def _outcome(fn: Any, *args: Any) -> tuple[Any, ...]:
+    try:
+        return ("ok", fn(*args))
+    except (TypeError, ValueError, AttributeError) as exc:
+        return ("raised", type(exc).__name__, str(exc))
+
+
+@st.composite
+def _tensor(draw: Any) -> torch.Tensor:
+    kind = draw(st.sampled_from(["cpu", "cuda0", "cuda1", "odd", "meta", "view"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    n = draw(st.integers(0, 12))
+    if kind == "meta":
+        return torch.empty(n, dtype=dtype, device="meta")
+    t = torch.arange(n).to(dtype)
+    if kind == "view" and n > 2:
+        t = t[1::2]
+    cls = {"cuda0": _OnDevice, "cuda1": _OnDevice1, "odd": _OddDevice}.get(kind)
+    return t.as_subclass(cls) if cls is not None else t
+
+
+@st.composite
+def _submission(draw: Any) -> tuple[dict[tuple[str, str], Any], list[tuple[Any, Any]], Any, dict[int, str], list[Any]]:
+    pool_tensors = draw(st.lists(_tensor(), min_size=0, max_size=6))
+    keys = [("kv", "host"), ("kv", "device"), ("mamba", "host"), ("mamba", "device"), ("draft", "host"), ("draft", "device")]
+    uses: dict[tuple[str, str], Any] = {}
+    for key, t in zip(keys, pool_tensors):
+        # now and then one tensor under a second key (a draft pool copies with the KV indices)
+        uses[key] = uses[keys[0]] if uses and draw(st.integers(0, 5)) == 0 else t
+    streams = [object(), object(), object()]
+    names = {id(streams[0]): "write_stream", id(streams[1]): ""}  # an empty name reads as unnamed
+    records: list[tuple[Any, Any]] = []
+    used = list(uses.values())
+    for _ in range(draw(st.integers(0, 8))):
+        how = draw(st.sampled_from(["used", "alias", "other"]))
+        stream = draw(st.sampled_from(streams))
+        if how == "used" and used:
+            records.append((draw(st.sampled_from(used)), stream))
+        elif how == "alias" and used:
+            src = draw(st.sampled_from(used))
+            records.append((src if src.is_meta else src.view(src.shape), stream))
+        else:
+            records.append((torch.arange(draw(st.integers(0, 4))), stream))
+    return uses, records, streams[0], names, streams
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(sub=_submission())
+def test_use_refs_give_what_tensor_meta_gives(impl: Any, sub: Any) -> None:
+    uses = sub[0]
+    cache: dict[Any, Any] = {}
+    with facts.NO_TORCH_FUNCTION():
+        got = impl.use_refs(uses, cache, TensorRef, facts.META_NAMES, facts.tensor_meta)
+        want = [facts.tensor_meta(t, pool, role) for (pool, role), t in uses.items()]
+    assert got == want
+    assert cache == {(id(t), pool, role): ref for ((pool, role), t), ref in zip(uses.items(), want)}
+    # what the cache holds is taken, not made again
+    marker = TensorRef(pool="kv", role="host", device="x", numel=0, dtype="int64", ptr=0)
+    for key in cache:
+        cache[key] = marker
+    assert impl.use_refs(uses, cache, TensorRef, facts.META_NAMES, facts.tensor_meta) == [marker] * len(uses)
+
+
+@SETTINGS
+@given(sub=_submission())
+def test_recorded_c_and_pure_agree(sub: Any) -> None:
+    uses, records, stream, names, _ = sub
+    tensors = list(uses.values())
+    with facts.NO_TORCH_FUNCTION():
+        refs = [facts.tensor_meta(t, pool, role) for (pool, role), t in uses.items()]
+        got = _outcome(c_slots.recorded, tensors, refs, records, stream, "the-stream", names)
+        want = _outcome(py_slots.recorded, tensors, refs, records, stream, "the-stream", names)
+    assert got == want
+
+
+def test_recorded_names_each_hit() -> None:
+    a, b = torch.arange(4), torch.arange(6)
+    alias = a.view(4)  # another object over a's memory
+    other = torch.arange(4)
+    s, named, unnamed = object(), object(), object()
+    names = {id(named): "load_stream"}
+    for impl in (c_slots, py_slots):
+        refs = [facts.tensor_meta(t, "kv", r) for t, r in ((a, "host"), (b, "device"), (a, "host"))]
+        got = impl.recorded([a, b, a], refs, [(a, s), (b, named), (alias, unnamed), (other, s)], s, "write", names)
+        assert got == [(0, "write"), (2, "write"), (1, "load_stream"), (0, f"stream@{id(unnamed):x}"), (2, f"stream@{id(unnamed):x}")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_arguments_are_named(impl: Any) -> None:
+    t = torch.arange(3)
+    ref = facts.tensor_meta(t, "kv", "host")
+    cases = [
+        (impl.use_refs, ([], {}, TensorRef, facts.META_NAMES, facts.tensor_meta), TypeError, "uses and cache are dicts"),
+        (impl.use_refs, ({"kv": t}, {}, TensorRef, facts.META_NAMES, facts.tensor_meta), TypeError, "(pool, role)"),
+        (impl.use_refs, ({}, {}, TensorRef, ({}, {}), facts.tensor_meta), TypeError, "names is"),
+        (impl.use_refs, ({}, {}, None, facts.META_NAMES, facts.tensor_meta), TypeError, "are callables"),
+        (impl.recorded, ((t,), [ref], [], None, "s", {}), TypeError, "are lists"),
+        (impl.recorded, ([t], [], [], None, "s", {}), ValueError, "1 tensors and 0 refs"),
+        (impl.recorded, ([t], [ref], [t], None, "s", {}), TypeError, "a record is (tensor, stream)"),
+    ]
+    for fn, args, exc, text in cases:
+        with pytest.raises(exc) as info:
+            fn(*args)
+        assert text in str(info.value), (fn, str(info.value))
