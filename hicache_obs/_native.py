@@ -8,7 +8,8 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
 - ``slots`` (``hicache_obs/_slots.c``): the slot maps (:class:`SlotMap`), the
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
-  submission (:func:`use_refs`, :func:`recorded`); twin: ``hicache_obs/events/_slots_py.py``.
+  submission (:func:`use_refs`, :func:`recorded`) and its ``record_stream`` observer
+  (:func:`record_observer`); twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
 
@@ -49,6 +50,7 @@ __all__ = [
     "dlpack_facts",
     "gap_free_run",
     "pair_runs_of",
+    "record_observer",
     "recorded",
     "runs_of",
     "side_runs",
@@ -161,5 +163,6 @@ side_runs = _slots.side_runs
 dlpack_facts = _slots.dlpack_facts
 use_refs = _slots.use_refs
 recorded = _slots.recorded
+record_observer = _slots.record_observer
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

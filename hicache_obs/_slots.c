@@ -35,6 +35,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <limits.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -1216,6 +1217,176 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- the record observer
+ *
+ * RecordObserver(original, current): what the SGLang adapter puts as
+ * torch.Tensor.record_stream while a controller is instrumented (a descriptor: it binds
+ * to the tensor as a method does). A call record_stream(tensor, stream) with current.sub
+ * set and current.recording not set makes the record (original(tensor, stream)) with
+ * current.recording set, then appends (tensor, stream) to current.sub.records; any other
+ * call, or one of another shape, is original's as it came (record_stream(tensor,
+ * stream=s) is the same call). A record that raised was not made: it is not appended. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *original, *current;
+    vectorcallfunc vectorcall;
+} RecordObserver;
+
+static PyObject *s_sub, *s_recording, *s_records;
+
+static int observer_strings(void) {
+    if (s_records)
+        return 0;
+    s_sub = PyUnicode_InternFromString("sub");
+    s_recording = PyUnicode_InternFromString("recording");
+    s_records = PyUnicode_InternFromString("records");
+    return s_sub && s_recording && s_records ? 0 : -1;
+}
+
+static PyObject *observer_call(RecordObserver *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs == 1 && kwnames && PyTuple_GET_SIZE(kwnames) == 1 &&
+        PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "stream") == 0) {
+        kwnames = NULL; /* record_stream(tensor, stream=s): the same call */
+        nargs = 2;
+        nargsf = 2;
+    }
+    if (nargs != 2 || kwnames)
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    PyObject *sub = PyObject_GetAttr(self->current, s_sub);
+    if (!sub)
+        return NULL;
+    if (sub == Py_None) {
+        Py_DECREF(sub);
+        return PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    }
+    PyObject *recording = PyObject_GetAttr(self->current, s_recording);
+    int busy = recording ? PyObject_IsTrue(recording) : -1;
+    Py_XDECREF(recording);
+    if (busy) {
+        Py_DECREF(sub);
+        return busy < 0 ? NULL : PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    }
+    if (PyObject_SetAttr(self->current, s_recording, Py_True) < 0) {
+        Py_DECREF(sub);
+        return NULL;
+    }
+    PyObject *made = PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    /* as a finally: the flag comes down whatever the record did */
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    int down = PyObject_SetAttr(self->current, s_recording, Py_False);
+    if (et)
+        PyErr_Restore(et, ev, tb);
+    if (!made || down < 0) {
+        Py_XDECREF(made);
+        Py_DECREF(sub);
+        return NULL;
+    }
+    Py_DECREF(made);
+    PyObject *records = PyObject_GetAttr(sub, s_records);
+    Py_DECREF(sub);
+    if (!records)
+        return NULL;
+    PyObject *pair = PyTuple_Pack(2, args[0], args[1]);
+    int r = pair ? (PyList_Check(records) ? PyList_Append(records, pair) : -1) : -1;
+    if (pair && r < 0 && !PyErr_Occurred()) {
+        PyObject *ret = PyObject_CallMethod(records, "append", "O", pair);
+        r = ret ? 0 : -1;
+        Py_XDECREF(ret);
+    }
+    Py_XDECREF(pair);
+    Py_DECREF(records);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *observer_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *original, *current;
+    static char *kw[] = {"original", "current", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:RecordObserver", kw, &original, &current))
+        return NULL;
+    if (!PyCallable_Check(original)) {
+        PyErr_Format(PyExc_TypeError, "RecordObserver(): original is torch's record_stream, got %R", original);
+        return NULL;
+    }
+    if (observer_strings() < 0)
+        return NULL;
+    RecordObserver *self = (RecordObserver *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    Py_INCREF(original);
+    Py_INCREF(current);
+    self->original = original;
+    self->current = current;
+    self->vectorcall = (vectorcallfunc)observer_call;
+    return (PyObject *)self;
+}
+
+static int observer_traverse(RecordObserver *self, visitproc visit, void *arg) {
+    Py_VISIT(self->original);
+    Py_VISIT(self->current);
+    return 0;
+}
+
+static int observer_clear(RecordObserver *self) {
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->current);
+    return 0;
+}
+
+static void observer_dealloc(RecordObserver *self) {
+    PyObject_GC_UnTrack(self);
+    observer_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *observer_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type)) {
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *observer_wrapped(RecordObserver *self, void *Py_UNUSED(c)) {
+    Py_INCREF(self->original);
+    return self->original;
+}
+
+static PyObject *observer_doc(RecordObserver *self, void *Py_UNUSED(c)) {
+    return PyObject_GetAttrString(self->original, "__doc__");
+}
+
+static PyGetSetDef observer_getset[] = {
+    {"__wrapped__", (getter)observer_wrapped, NULL, "torch's record_stream, which makes the record", NULL},
+    {"__doc__", (getter)observer_doc, NULL, "torch's record_stream's", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject RecordObserverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.RecordObserver",
+    .tp_basicsize = sizeof(RecordObserver),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_vectorcall_offset = offsetof(RecordObserver, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = observer_new,
+    .tp_dealloc = (destructor)observer_dealloc,
+    .tp_traverse = (traverseproc)observer_traverse,
+    .tp_clear = (inquiry)observer_clear,
+    .tp_descr_get = observer_get,
+    .tp_getset = observer_getset,
+};
+
+static PyObject *record_observer(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "record_observer() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    return PyObject_CallFunctionObjArgs((PyObject *)&RecordObserverType, args[0], args[1], NULL);
+}
+
 static PyMethodDef module_methods[] = {
     {"runs_of", runs_of, METH_O,
      "runs_of(values, /)\n--\n\n((start, length), ...) of consecutive values, from a sequence of ints or a 1-D "
@@ -1233,6 +1404,10 @@ static PyMethodDef module_methods[] = {
     {"recorded", (PyCFunction)(void (*)(void))recorded, METH_FASTCALL,
      "recorded(tensors, refs, records, stream, stream_name, stream_names, /)\n--\n\n[(place in tensors, stream "
      "name), ...]: the records (tensor, stream) made on the used tensors, or on their memory."},
+    {"record_observer", (PyCFunction)(void (*)(void))record_observer, METH_FASTCALL,
+     "record_observer(original, current, /)\n--\n\nWhat the SGLang adapter puts as torch.Tensor.record_stream: "
+     "original's record, then (tensor, stream) appended to current.sub.records when current.sub is set and "
+     "current.recording is not."},
     {"dlpack_facts", dlpack_facts, METH_O,
      "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
      "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "
@@ -1287,7 +1462,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {
-    if (PyType_Ready(&SlotMapType) < 0)
+    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
@@ -1295,6 +1470,12 @@ PyMODINIT_FUNC PyInit__slots(void) {
     Py_INCREF(&SlotMapType);
     if (PyModule_AddObject(m, "SlotMap", (PyObject *)&SlotMapType) < 0) {
         Py_DECREF(&SlotMapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&RecordObserverType);
+    if (PyModule_AddObject(m, "RecordObserver", (PyObject *)&RecordObserverType) < 0) {
+        Py_DECREF(&RecordObserverType);
         Py_DECREF(m);
         return NULL;
     }

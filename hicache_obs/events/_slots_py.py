@@ -23,6 +23,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
 - ``use_refs`` / ``recorded``: the SGLang adapter's description of one submission, its
   tensors' ``TensorRef`` and the records made on them (the C module describes most
   tensors itself; here ``slow`` describes every one).
+- ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
+  (a function here; a method descriptor in C).
 
 Its one difference: memory. A freed page costs a dict entry here (about 100 bytes) where
 the C lists cost 10 bytes a page, so a replay of pools of tens of millions of slots, all
@@ -713,3 +715,30 @@ def recorded(
             name = stream_names.get(id(rec_stream)) or f"stream@{id(rec_stream):x}"
         out += [(i, name) for i in hits]
     return out
+
+
+def record_observer(original: Any, current: Any, /) -> Any:
+    """What the SGLang adapter puts as ``torch.Tensor.record_stream``: a call
+    ``record_stream(tensor, stream)`` with ``current.sub`` set and ``current.recording`` not
+    set makes the record (``original(tensor, stream)``) with ``current.recording`` set, then
+    appends ``(tensor, stream)`` to ``current.sub.records``; any other call is ``original``'s.
+    A record that raised was not made: it is not appended."""
+    if not callable(original):
+        raise TypeError(f"RecordObserver(): original is torch's record_stream, got {original!r}")
+
+    def record_stream(tensor: Any, stream: Any) -> None:
+        cur = current
+        sub = cur.sub
+        if sub is None or cur.recording:  # no submission; torch-function dispatch calls us again
+            return original(tensor, stream)  # type: ignore[no-any-return]
+        cur.recording = True
+        try:
+            original(tensor, stream)  # a record that fails was not made
+        finally:
+            cur.recording = False
+        sub.records.append((tensor, stream))
+        return None
+
+    record_stream.__doc__ = original.__doc__
+    record_stream.__wrapped__ = original  # type: ignore[attr-defined]
+    return record_stream

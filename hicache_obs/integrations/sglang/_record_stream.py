@@ -1,10 +1,11 @@
 """The process-wide observer of ``torch.Tensor.record_stream``.
 
 While at least one controller is instrumented, ``torch.Tensor.record_stream`` is a
-wrapper: the record is made first (a record that fails was not made), then reported to
-the submission running on this thread (``current.sub``), if any. Calls from other code,
-and calls on threads with no submission, pass straight through. The last release puts
-torch's own method back exactly as it was.
+wrapper (:func:`~hicache_obs._native.record_observer`, compiled where the ``slots``
+extension is built): the record is made first (a record that fails was not made), then
+reported to the submission running on this thread (``current.sub``), if any. Calls from
+other code, and calls on threads with no submission, pass straight through. The last
+release puts torch's own method back exactly as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import threading
 from typing import Any
 
 import torch
+
+from ..._native import record_observer
 
 __all__ = ["RECORDS", "RecordStreamObserver", "current"]
 
@@ -42,24 +45,7 @@ class RecordStreamObserver:
             if self.users == 0:
                 self.had_own = "record_stream" in torch.Tensor.__dict__
                 self.original = torch.Tensor.record_stream
-                original = self.original
-
-                def record_stream(tensor: torch.Tensor, stream: Any) -> None:
-                    cur = current
-                    sub = cur.sub
-                    if sub is None or cur.recording:  # no submission; torch-function dispatch calls us again
-                        return original(tensor, stream)  # type: ignore[no-any-return]
-                    cur.recording = True
-                    try:
-                        original(tensor, stream)  # a record that fails was not made
-                    finally:
-                        cur.recording = False
-                    sub.records.append((tensor, stream))
-                    return None
-
-                record_stream.__doc__ = original.__doc__
-                record_stream.__wrapped__ = original  # type: ignore[attr-defined]
-                torch.Tensor.record_stream = record_stream  # type: ignore[method-assign, assignment]
+                torch.Tensor.record_stream = record_observer(self.original, current)  # type: ignore[method-assign]
             self.users += 1
 
     def release(self) -> None:
