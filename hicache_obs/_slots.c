@@ -1217,6 +1217,186 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- an op's index tensors
+ *
+ * op_tensors(host, device, transfers, anchor, tensor_type, pool_names, pool_name) -> dict
+ *   The index tensors of an op: {(anchor, "host"): host, (anchor, "device"): device} and,
+ *   for each of transfers (or none where it is falsy), {(pool, "host"): its host_indices,
+ *   (pool, "device"): its device_indices}, each only where it is a tensor_type. A transfer's
+ *   pool is its name's text: pool_names[id(name)] = (name, text) where that entry holds this
+ *   name object, else pool_name(name).
+ *
+ * device_changes(before, after, names, slow) -> list
+ *   [((pool, role), was, now, new tensor), ...]: the tensors of before (op_tensors of an op
+ *   before a move) that after (after it) holds as another object on another device, in
+ *   before's order. Device names as device_name gives them (names as for use_refs; any
+ *   other tensor is slow(tensor)'s). Run with torch function dispatch off. */
+static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host, *s_device_role;
+
+static int move_strings(void) {
+    if (s_device_role)
+        return 0;
+    s_name = PyUnicode_InternFromString("name");
+    s_host_indices = PyUnicode_InternFromString("host_indices");
+    s_device_indices = PyUnicode_InternFromString("device_indices");
+    s_host = PyUnicode_InternFromString("host");
+    s_device_role = PyUnicode_InternFromString("device");
+    return s_name && s_host_indices && s_device_indices && s_host && s_device_role ? 0 : -1;
+}
+
+/* out[(pool, role)] = t where t is a tensor_type; 0, or -1 with an error */
+static int put_tensor(PyObject *out, PyObject *pool, PyObject *role, PyObject *t, PyObject *tensor_type) {
+    int is = PyObject_IsInstance(t, tensor_type);
+    if (is <= 0)
+        return is;
+    PyObject *key = PyTuple_Pack(2, pool, role);
+    if (!key)
+        return -1;
+    int r = PyDict_SetItem(out, key, t);
+    Py_DECREF(key);
+    return r;
+}
+
+static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "op_tensors() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *host = args[0], *device = args[1], *transfers = args[2], *anchor = args[3], *tensor_type = args[4];
+    PyObject *pool_names = args[5], *pool_name = args[6];
+    if (!PyDict_Check(pool_names)) {
+        PyErr_SetString(PyExc_TypeError, "op_tensors(): pool_names is a dict");
+        return NULL;
+    }
+    if (move_strings() < 0)
+        return NULL;
+    /* every transfer's (pool, host, device) is read before any is put, as a list of them */
+    PyObject *rows = PyList_New(0), *out = NULL;
+    if (!rows)
+        return NULL;
+    int some = PyObject_IsTrue(transfers);
+    if (some < 0)
+        goto done;
+    if (some) {
+        PyObject *it = PyObject_GetIter(transfers), *t;
+        if (!it)
+            goto done;
+        while ((t = PyIter_Next(it))) {
+            PyObject *name = PyObject_GetAttr(t, s_name), *pool = NULL, *row = NULL;
+            if (name) {
+                PyObject *id = PyLong_FromVoidPtr(name);
+                PyObject *hit = id ? PyDict_GetItemWithError(pool_names, id) : NULL; /* borrowed */
+                Py_XDECREF(id);
+                if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == name) {
+                    pool = PyTuple_GET_ITEM(hit, 1);
+                    Py_INCREF(pool);
+                } else if (!PyErr_Occurred()) {
+                    pool = PyObject_CallOneArg(pool_name, name);
+                }
+                Py_DECREF(name);
+            }
+            if (pool) {
+                PyObject *h = PyObject_GetAttr(t, s_host_indices);
+                PyObject *d = h ? PyObject_GetAttr(t, s_device_indices) : NULL;
+                if (d)
+                    row = PyTuple_Pack(3, pool, h, d);
+                Py_XDECREF(h);
+                Py_XDECREF(d);
+                Py_DECREF(pool);
+            }
+            Py_DECREF(t);
+            if (!row || PyList_Append(rows, row) < 0) {
+                Py_XDECREF(row);
+                Py_DECREF(it);
+                goto done;
+            }
+            Py_DECREF(row);
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred())
+            goto done;
+    }
+    out = PyDict_New();
+    if (!out || put_tensor(out, anchor, s_host, host, tensor_type) < 0 ||
+        put_tensor(out, anchor, s_device_role, device, tensor_type) < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows); i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        PyObject *pool = PyTuple_GET_ITEM(row, 0);
+        if (put_tensor(out, pool, s_host, PyTuple_GET_ITEM(row, 1), tensor_type) < 0 ||
+            put_tensor(out, pool, s_device_role, PyTuple_GET_ITEM(row, 2), tensor_type) < 0)
+            goto fail;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_DECREF(rows);
+    return out;
+}
+
+/* device_name(t) where it reads the fast way (see fast_device), else slow(t); new reference */
+static PyObject *device_of(PyObject *t, PyObject *cuda_names, PyObject *device_type, PyObject *slow) {
+    PyObject *name = fast_device(t, cuda_names, device_type);
+    if (name || PyErr_Occurred())
+        return name;
+    return PyObject_CallOneArg(slow, t);
+}
+
+static PyObject *device_changes(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "device_changes() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *before = args[0], *after = args[1], *names = args[2], *slow = args[3];
+    if (!PyDict_Check(before) || !PyDict_Check(after)) {
+        PyErr_SetString(PyExc_TypeError, "device_changes(): before and after are dicts");
+        return NULL;
+    }
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 3 || !PyDict_Check(PyTuple_GET_ITEM(names, 1))) {
+        PyErr_SetString(PyExc_TypeError, "device_changes(): names is (dtype names dict, device names dict, device class)");
+        return NULL;
+    }
+    if (describe_strings() < 0)
+        return NULL;
+    PyObject *cuda_names = PyTuple_GET_ITEM(names, 1), *device_type = PyTuple_GET_ITEM(names, 2);
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    Py_ssize_t pos = 0;
+    PyObject *key, *src;
+    while (PyDict_Next(before, &pos, &key, &src)) {
+        PyObject *dst = PyDict_GetItemWithError(after, key); /* borrowed */
+        if (!dst) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        if (dst == src || dst == Py_None)
+            continue;
+        Py_INCREF(key);
+        Py_INCREF(src);
+        Py_INCREF(dst);
+        PyObject *was = device_of(src, cuda_names, device_type, slow);
+        PyObject *now = was ? device_of(dst, cuda_names, device_type, slow) : NULL;
+        int differ = now ? PyObject_RichCompareBool(now, was, Py_NE) : -1;
+        PyObject *row = differ > 0 ? PyTuple_Pack(4, key, was, now, dst) : NULL;
+        int r = differ > 0 ? (row ? PyList_Append(out, row) : -1) : differ;
+        Py_XDECREF(row);
+        Py_XDECREF(was);
+        Py_XDECREF(now);
+        Py_DECREF(key);
+        Py_DECREF(src);
+        Py_DECREF(dst);
+        if (r < 0)
+            goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- the record observer
  *
  * RecordObserver(original, current): what the SGLang adapter puts as
@@ -1408,6 +1588,12 @@ static PyMethodDef module_methods[] = {
      "record_observer(original, current, /)\n--\n\nWhat the SGLang adapter puts as torch.Tensor.record_stream: "
      "original's record, then (tensor, stream) appended to current.sub.records when current.sub is set and "
      "current.recording is not."},
+    {"op_tensors", (PyCFunction)(void (*)(void))op_tensors, METH_FASTCALL,
+     "op_tensors(host, device, transfers, anchor, tensor_type, pool_names, pool_name, /)\n--\n\n{(pool, role): "
+     "tensor} of an op: the anchor's host and device indices and each transfer's, where they are tensors."},
+    {"device_changes", (PyCFunction)(void (*)(void))device_changes, METH_FASTCALL,
+     "device_changes(before, after, names, slow, /)\n--\n\n[((pool, role), was, now, new tensor), ...]: the "
+     "tensors of before that after holds as another object on another device."},
     {"dlpack_facts", dlpack_facts, METH_O,
      "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
      "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "

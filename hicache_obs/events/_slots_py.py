@@ -23,6 +23,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
 - ``use_refs`` / ``recorded``: the SGLang adapter's description of one submission, its
   tensors' ``TensorRef`` and the records made on them (the C module describes most
   tensors itself; here ``slow`` describes every one).
+- ``op_tensors`` / ``device_changes``: an op's index tensors by ``(pool, role)``, and those
+  an op-level move put on another device (the SGLang adapter's move hook).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
 
@@ -742,3 +744,48 @@ def record_observer(original: Any, current: Any, /) -> Any:
     record_stream.__doc__ = original.__doc__
     record_stream.__wrapped__ = original  # type: ignore[attr-defined]
     return record_stream
+
+
+def op_tensors(
+    host: Any, device: Any, transfers: Any, anchor: Any, tensor_type: Any, pool_names: Any, pool_name: Any, /
+) -> dict[tuple[Any, str], Any]:
+    """``{(pool, role): tensor}`` of an op: ``(anchor, "host")`` and ``(anchor, "device")``,
+    then each transfer's ``host_indices`` and ``device_indices`` (none where ``transfers`` is
+    falsy), each only where it is a ``tensor_type``. A transfer's pool is its name's text:
+    ``pool_names[id(name)] = (name, text)`` where that entry holds this name object, else
+    ``pool_name(name)``."""
+    if not isinstance(pool_names, dict):
+        raise TypeError("op_tensors(): pool_names is a dict")
+    rows = [(anchor, host, device)]
+    for t in transfers or ():
+        name = t.name
+        hit = pool_names.get(id(name))
+        pool = hit[1] if type(hit) is tuple and len(hit) == 2 and hit[0] is name else pool_name(name)
+        rows.append((pool, t.host_indices, t.device_indices))
+    out: dict[tuple[Any, str], Any] = {}
+    for pool, h, d in rows:
+        if isinstance(h, tensor_type):
+            out[(pool, "host")] = h
+        if isinstance(d, tensor_type):
+            out[(pool, "device")] = d
+    return out
+
+
+def device_changes(before: Any, after: Any, names: Any, slow: Any, /) -> list[tuple[Any, Any, Any, Any]]:
+    """``[((pool, role), was, now, new tensor), ...]``: the tensors of ``before`` (an op's
+    tensors before a move) that ``after`` holds as another object on another device, in
+    ``before``'s order, their device names ``slow(tensor)``'s (``device_name``; ``names`` is
+    what the C module reads the common tensors with). Run with torch function dispatch off."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        raise TypeError("device_changes(): before and after are dicts")
+    if not (isinstance(names, tuple) and len(names) == 3 and isinstance(names[1], dict)):
+        raise TypeError("device_changes(): names is (dtype names dict, device names dict, device class)")
+    out = []
+    for key, src in before.items():
+        dst = after.get(key)
+        if dst is None or dst is src:
+            continue
+        was, now = slow(src), slow(dst)
+        if now != was:
+            out.append((key, was, now, dst))
+    return out

@@ -165,3 +165,82 @@ def test_bad_arguments_are_named(impl: Any) -> None:
         with pytest.raises(exc) as info:
             fn(*args)
         assert text in str(info.value), (fn, str(info.value))
+
+
+class _Name:
+    """A pool's name as SGLang's enums give it: its text under ``value``."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
+def _pool_name(name: Any) -> str:
+    return f"named-{name.value}"
+
+
+@st.composite
+def _op(draw: Any) -> tuple[Any, ...]:
+    def part() -> Any:
+        return draw(st.one_of(_tensor(), st.none(), st.just([1, 2])))
+
+    names = [_Name("mamba"), _Name("swa"), _Name("mamba")]
+    cached = {id(names[0]): (names[0], "mamba"), id(names[2]): (object(), "stale")}  # a stale entry: not this object
+    transfers = [
+        SimpleNamespace(name=draw(st.sampled_from(names)), host_indices=part(), device_indices=part())
+        for _ in range(draw(st.integers(0, 3)))
+    ]
+    return part(), part(), draw(st.sampled_from([transfers, None, ()])), cached
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(op=_op())
+def test_op_tensors_c_and_pure_agree(impl: Any, op: Any) -> None:
+    host, device, transfers, cached = op
+    got = impl.op_tensors(host, device, transfers, "kv", torch.Tensor, cached, _pool_name)
+    want = py_slots.op_tensors(host, device, transfers, "kv", torch.Tensor, cached, _pool_name)
+    assert list(got.items()) == list(want.items())
+    expect = [("kv", "host")] * isinstance(host, torch.Tensor) + [("kv", "device")] * isinstance(device, torch.Tensor)
+    assert list(got)[: len(expect)] == expect
+    for t in transfers or ():
+        pool = "mamba" if t.name is next(iter(cached.values()))[0] else _pool_name(t.name)
+        if isinstance(t.host_indices, torch.Tensor):
+            assert (pool, "host") in got
+
+
+def test_op_tensors_names_a_broken_transfer() -> None:
+    broken = [SimpleNamespace(name=_Name("swa"), host_indices=torch.arange(2))]  # no device_indices
+    for impl in (c_slots, py_slots):
+        with pytest.raises(AttributeError, match="device_indices"):
+            impl.op_tensors(None, None, broken, "kv", torch.Tensor, {}, _pool_name)
+        with pytest.raises(TypeError, match="pool_names is a dict"):
+            impl.op_tensors(None, None, (), "kv", torch.Tensor, [], _pool_name)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(sub=_submission(), moved=st.lists(st.sampled_from(["same", "moved", "gone", "none", "copy"]), max_size=6))
+def test_device_changes_name_what_a_move_put_elsewhere(impl: Any, sub: Any, moved: list[str]) -> None:
+    before = dict(sub[0])
+    after: dict[Any, Any] = {}
+    for (key, t), how in zip(before.items(), moved + ["same"] * len(before)):
+        if how == "same":
+            after[key] = t
+        elif how == "moved":  # to the other side: a CPU tensor onto the device, a device one back
+            plain = t.as_subclass(torch.Tensor) if not t.is_meta else torch.arange(2)
+            after[key] = plain.as_subclass(_OnDevice) if not t.is_cuda else plain.clone()
+        elif how == "none":
+            after[key] = None
+        elif how == "copy":  # another object on the same device
+            after[key] = t.clone() if not t.is_meta else t
+    with facts.NO_TORCH_FUNCTION():
+        got = impl.device_changes(before, after, facts.META_NAMES, facts.device_name)
+        want = [
+            (key, facts.device_name(src), facts.device_name(after[key]), after[key])
+            for key, src in before.items()
+            if after.get(key) is not None
+            and after[key] is not src
+            and facts.device_name(after[key]) != facts.device_name(src)
+        ]
+    assert [(k, w, n) for k, w, n, _ in got] == [(k, w, n) for k, w, n, _ in want]
+    assert all(a is b for (*_, a), (*_, b) in zip(got, want))

@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..._native import recorded, runs_of, use_refs
+from ..._native import device_changes, op_tensors, recorded, runs_of, use_refs
 from ..._profiles import Profile, Sampler, resolve_profile
 from ...core._spec import ANCHOR
 from ...errors import IntegrationError
@@ -1332,25 +1332,20 @@ class Instrumentation:
     ) -> None:
         op = sub.op
         with NO_TORCH_FUNCTION():
-            for key, src in before.items():
-                dst = after.get(key)
-                if dst is None or dst is src:
+            for key, was, now, dst in device_changes(before, after, facts.META_NAMES, device_name):
+                pool, role = key
+                if not self._full:  # carried by the submission's one event
+                    sub.moves.append(Moved(pool, role, was, now, sub.ref(dst, pool, role)))  # type: ignore[arg-type]
                     continue
-                was, now = device_name(src), device_name(dst)
-                if now != was:
-                    pool, role = key
-                    if not self._full:  # carried by the submission's one event
-                        sub.moves.append(Moved(pool, role, was, now, sub.ref(dst, pool, role)))  # type: ignore[arg-type]
-                        continue
-                    self._emit(
-                        IndicesMoved,
-                        op=int(op.id),
-                        pool=pool,
-                        role=role,
-                        src_device=was,
-                        dst_device=now,
-                        tensor=tensor_ref(dst, pool, role, now),
-                    )
+                self._emit(
+                    IndicesMoved,
+                    op=int(op.id),
+                    pool=pool,
+                    role=role,
+                    src_device=was,
+                    dst_device=now,
+                    tensor=tensor_ref(dst, pool, role, now),
+                )
 
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -1531,15 +1526,8 @@ class Instrumentation:
     # ------------------------------------------------------------- events
     @staticmethod
     def _op_tensors(host: Any, device: Any, transfers: Any) -> dict[tuple[str, str], torch.Tensor]:
-        out: dict[tuple[str, str], torch.Tensor] = {}
-        for pool, h, d in [(ANCHOR, host, device)] + [
-            (_pool_name(t.name), t.host_indices, t.device_indices) for t in transfers or ()
-        ]:
-            if isinstance(h, torch.Tensor):
-                out[(pool, "host")] = h
-            if isinstance(d, torch.Tensor):
-                out[(pool, "device")] = d
-        return out
+        """``{(pool, role): tensor}`` of an op (:func:`~hicache_obs._native.op_tensors`)."""
+        return op_tensors(host, device, transfers, ANCHOR, torch.Tensor, _POOL_NAMES, _pool_name)
 
     def _slots_by_pool(self, op: Any) -> tuple[tuple[str, int], ...]:
         slots = {ANCHOR: int(op.host_indices.numel())}
