@@ -9,7 +9,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
-  :func:`device_changes`) and its ``record_stream`` observer (:func:`record_observer`);
+  :func:`device_changes`, :func:`received`) and its ``record_stream`` observer (:func:`record_observer`);
   twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
@@ -53,6 +53,7 @@ __all__ = [
     "gap_free_run",
     "op_tensors",
     "pair_runs_of",
+    "received",
     "record_observer",
     "recorded",
     "runs_of",
@@ -169,5 +170,6 @@ recorded = _slots.recorded
 record_observer = _slots.record_observer
 op_tensors = _slots.op_tensors
 device_changes = _slots.device_changes
+received = _slots.received
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

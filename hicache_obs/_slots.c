@@ -1397,6 +1397,59 @@ fail:
     return NULL;
 }
 
+/* received(uses, pool, host, device, tensor_type) -> dict
+ *   A copy's index tensors, now uses of its op: uses[(pool, "host")] and
+ *   uses[(pool, "device")] where not there yet, for each that is a tensor_type; returns
+ *   {id(tensor): (role, tensor)} of those that do not report is_cuda (an index tensor off
+ *   the device, which the copy could move to it itself). Run with torch function dispatch
+ *   off. */
+static PyObject *received(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "received() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *uses = args[0], *pool = args[1], *tensor_type = args[4];
+    if (!PyDict_Check(uses)) {
+        PyErr_SetString(PyExc_TypeError, "received(): uses is a dict");
+        return NULL;
+    }
+    if (describe_strings() < 0 || move_strings() < 0)
+        return NULL;
+    PyObject *watched = PyDict_New();
+    if (!watched)
+        return NULL;
+    PyObject *roles[2] = {s_host, s_device_role};
+    for (int i = 0; i < 2; i++) {
+        PyObject *t = args[2 + i];
+        int is = PyObject_IsInstance(t, tensor_type);
+        if (is < 0)
+            goto fail;
+        if (!is)
+            continue;
+        PyObject *key = PyTuple_Pack(2, pool, roles[i]);
+        PyObject *had = key ? PyDict_SetDefault(uses, key, t) : NULL; /* borrowed */
+        Py_XDECREF(key);
+        if (!had)
+            goto fail;
+        int cuda = attr_true(t, s_is_cuda);
+        if (cuda < 0)
+            goto fail;
+        if (cuda)
+            continue;
+        PyObject *id = PyLong_FromVoidPtr(t);
+        PyObject *entry = id ? PyTuple_Pack(2, roles[i], t) : NULL;
+        int r = entry ? PyDict_SetItem(watched, id, entry) : -1;
+        Py_XDECREF(id);
+        Py_XDECREF(entry);
+        if (r < 0)
+            goto fail;
+    }
+    return watched;
+fail:
+    Py_DECREF(watched);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- the record observer
  *
  * RecordObserver(original, current): what the SGLang adapter puts as
@@ -1594,6 +1647,9 @@ static PyMethodDef module_methods[] = {
     {"device_changes", (PyCFunction)(void (*)(void))device_changes, METH_FASTCALL,
      "device_changes(before, after, names, slow, /)\n--\n\n[((pool, role), was, now, new tensor), ...]: the "
      "tensors of before that after holds as another object on another device."},
+    {"received", (PyCFunction)(void (*)(void))received, METH_FASTCALL,
+     "received(uses, pool, host, device, tensor_type, /)\n--\n\nA copy's index tensors noted as uses[(pool, "
+     "role)] where not there yet; {id(tensor): (role, tensor)} of those that do not report is_cuda."},
     {"dlpack_facts", dlpack_facts, METH_O,
      "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
      "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "

@@ -24,7 +24,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   tensors' ``TensorRef`` and the records made on them (the C module describes most
   tensors itself; here ``slow`` describes every one).
 - ``op_tensors`` / ``device_changes``: an op's index tensors by ``(pool, role)``, and those
-  an op-level move put on another device (the SGLang adapter's move hook).
+  an op-level move put on another device (the SGLang adapter's move hook); ``received``:
+  the index tensors a copy received (its copy hook).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
 
@@ -789,3 +790,20 @@ def device_changes(before: Any, after: Any, names: Any, slow: Any, /) -> list[tu
         if now != was:
             out.append((key, was, now, dst))
     return out
+
+
+def received(uses: Any, pool: Any, host: Any, device: Any, tensor_type: Any, /) -> dict[int, tuple[str, Any]]:
+    """A copy's index tensors, now uses of its op: ``uses[(pool, "host")]`` and
+    ``uses[(pool, "device")]`` where not there yet, for each that is a ``tensor_type``;
+    returns ``{id(tensor): (role, tensor)}`` of those that do not report ``is_cuda`` (an index
+    tensor off the device, which the copy could move to it itself). Run with torch function
+    dispatch off."""
+    if not isinstance(uses, dict):
+        raise TypeError("received(): uses is a dict")
+    watched: dict[int, tuple[str, Any]] = {}
+    for role, t in (("host", host), ("device", device)):
+        if isinstance(t, tensor_type):
+            uses.setdefault((pool, role), t)
+            if not t.is_cuda:
+                watched[id(t)] = (role, t)
+    return watched

@@ -244,3 +244,20 @@ def test_device_changes_name_what_a_move_put_elsewhere(impl: Any, sub: Any, move
         ]
     assert [(k, w, n) for k, w, n, _ in got] == [(k, w, n) for k, w, n, _ in want]
     assert all(a is b for (*_, a), (*_, b) in zip(got, want))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(host=st.one_of(_tensor(), st.none()), device=st.one_of(_tensor(), st.none()), known=st.booleans())
+def test_received_notes_uses_and_watches_what_is_off_the_device(impl: Any, host: Any, device: Any, known: bool) -> None:
+    earlier = torch.arange(1)
+    uses: dict[Any, Any] = {("kv", "host"): earlier} if known else {}
+    with facts.NO_TORCH_FUNCTION():
+        watched = impl.received(uses, "kv", host, device, torch.Tensor)
+        off = [(role, t) for role, t in (("host", host), ("device", device)) if t is not None and not t.is_cuda]
+    assert watched == {id(t): (role, t) for role, t in off} and all(watched[id(t)][1] is t for _, t in off)
+    want = {("kv", "host"): earlier} if known else {}
+    for role, t in (("host", host), ("device", device)):
+        if t is not None:
+            want.setdefault(("kv", role), t)
+    assert list(uses) == list(want) and all(uses[k] is want[k] for k in want)

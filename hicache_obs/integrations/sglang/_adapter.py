@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..._native import device_changes, op_tensors, recorded, runs_of, use_refs
+from ..._native import device_changes, op_tensors, received, recorded, runs_of, use_refs
 from ..._profiles import Profile, Sampler, resolve_profile
 from ...core._spec import ANCHOR
 from ...errors import IntegrationError
@@ -1403,14 +1403,9 @@ class Instrumentation:
     def _received(
         sub: _Submission, pool: str, host_indices: Any, device_indices: Any
     ) -> dict[int, tuple[str, torch.Tensor]]:
-        """A copy's index tensors, now uses of the op; those it could move to the device itself."""
-        watched: dict[int, tuple[str, torch.Tensor]] = {}
-        for role, t in (("host", host_indices), ("device", device_indices)):
-            if isinstance(t, torch.Tensor):
-                sub.uses.setdefault((pool, role), t)
-                if not t.is_cuda:  # only an index tensor off the device can be moved to it
-                    watched[id(t)] = (role, t)
-        return watched
+        """A copy's index tensors, now uses of the op; those it could move to the device itself
+        (:func:`~hicache_obs._native.received`)."""
+        return received(sub.uses, pool, host_indices, device_indices, torch.Tensor)
 
     # Allocations and frees are the adapter's most frequent steps, and they run between
     # copies, with cold caches: each is one call into the adapter, two reads of the
