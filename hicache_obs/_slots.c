@@ -944,7 +944,7 @@ static PyObject *fast_device(PyObject *t, PyObject *cuda_names, PyObject *device
             Py_XINCREF(name);
         }
         Py_DECREF(dev);
-        return name; /* a miss (or an error) goes to slow, which fills the names */
+        return name; /* a miss goes to slow, which fills the names; an error is raised */
     }
     int cpu = attr_true(t, s_is_cpu);
     if (cpu <= 0)
@@ -967,20 +967,22 @@ static PyObject *fast_meta(PyObject *t, PyObject *pool, PyObject *role, PyObject
     dtype = PyObject_GetAttr(t, s_dtype);
     if (!dtype)
         goto done;
-    dname = PyDict_GetItemWithError(dtype_names, dtype); /* borrowed */
+    dname = PyDict_GetItemWithError(dtype_names, dtype); /* borrowed: held from here on */
     if (!dname)
         goto done;
+    Py_INCREF(dname);
     int nonzero = PyObject_IsTrue(numel);
-    if (nonzero < 0)
-        goto done;
-    if (nonzero)
+    if (nonzero > 0)
         ptr = PyObject_CallMethodNoArgs(t, s_data_ptr);
-    else
+    else if (nonzero == 0)
         ptr = PyLong_FromLong(0);
-    if (!ptr)
+    if (!ptr) {
+        Py_DECREF(dname);
         goto done;
+    }
     PyObject *args[6] = {pool, role, dev, numel, dname, ptr};
     ref = PyObject_Vectorcall(ref_type, args, 0, s_kwnames);
+    Py_DECREF(dname);
 done:
     Py_XDECREF(numel);
     Py_XDECREF(dev);
@@ -1015,34 +1017,42 @@ static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
     PyObject *out = PyList_New(0);
     if (!out)
         return NULL;
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(uses);
     PyObject *key, *t;
     while (PyDict_Next(uses, &pos, &key, &t)) {
         if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
             PyErr_Format(PyExc_TypeError, "use_refs(): a key of uses is (pool, role), got %R", key);
             goto fail;
         }
+        Py_INCREF(key); /* held while Python code runs (a tensor's properties, slow) */
+        Py_INCREF(t);
         PyObject *pool = PyTuple_GET_ITEM(key, 0), *role = PyTuple_GET_ITEM(key, 1);
         PyObject *ck = Py_BuildValue("(NOO)", PyLong_FromVoidPtr(t), pool, role);
-        if (!ck)
-            goto fail;
-        PyObject *ref = PyDict_GetItemWithError(cache, ck); /* borrowed */
-        if (ref) {
+        PyObject *ref = ck ? PyDict_GetItemWithError(cache, ck) : NULL; /* borrowed */
+        if (ref && ref != Py_None) {
             Py_INCREF(ref);
-        } else if (!PyErr_Occurred()) {
+        } else if (ck && !PyErr_Occurred()) {
             ref = fast_meta(t, pool, role, ref_type, dtype_names, cuda_names, device_type);
             if (!ref && !PyErr_Occurred())
                 ref = PyObject_CallFunctionObjArgs(slow, t, pool, role, NULL);
             if (ref && PyDict_SetItem(cache, ck, ref) < 0)
                 Py_CLEAR(ref);
+        } else {
+            ref = NULL;
         }
-        Py_DECREF(ck);
+        Py_XDECREF(ck);
+        Py_DECREF(key);
+        Py_DECREF(t);
         if (!ref)
             goto fail;
         int r = PyList_Append(out, ref);
         Py_DECREF(ref);
         if (r < 0)
             goto fail;
+        if (PyDict_GET_SIZE(uses) != size) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+            goto fail;
+        }
     }
     return out;
 fail:
@@ -1100,8 +1110,11 @@ static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
      * objects in the order first seen, each with all its places */
     Py_ssize_t *order = NULL;
     PyObject **facts = NULL; /* (ptr, numel) of each ref, read once a record needs them */
+    PyObject *held = NULL; /* the record being matched, held while Python code runs */
     for (Py_ssize_t r = 0; r < PyList_GET_SIZE(records); r++) {
         PyObject *rec = PyList_GET_ITEM(records, r);
+        held = rec;
+        Py_INCREF(held);
         if (!PyTuple_Check(rec) || PyTuple_GET_SIZE(rec) != 2) {
             PyErr_Format(PyExc_TypeError, "recorded(): a record is (tensor, stream), got %R", rec);
             goto fail;
@@ -1189,9 +1202,14 @@ static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
                     }
                     name = PyDict_GetItemWithError(stream_names, id);
                     Py_DECREF(id);
-                    if (name && PyObject_IsTrue(name) == 1)
+                    int named = 0;
+                    if (name) { /* its name, unless empty (the adapter's `or`) */
                         Py_INCREF(name);
-                    else if (PyErr_Occurred() || !(name = unnamed_stream(rec_stream))) {
+                        named = PyObject_IsTrue(name);
+                        if (named <= 0)
+                            Py_CLEAR(name);
+                    }
+                    if (named < 0 || (!name && PyErr_Occurred()) || (!name && !(name = unnamed_stream(rec_stream)))) {
                         Py_XDECREF(key);
                         goto fail;
                     }
@@ -1208,10 +1226,12 @@ static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
         }
         Py_XDECREF(name);
         Py_XDECREF(key);
+        Py_CLEAR(held);
     }
     free_facts(order, facts, n);
     return out;
 fail:
+    Py_XDECREF(held);
     free_facts(order, facts, n);
     Py_DECREF(out);
     return NULL;
@@ -1287,7 +1307,7 @@ static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_
                 PyObject *id = PyLong_FromVoidPtr(name);
                 PyObject *hit = id ? PyDict_GetItemWithError(pool_names, id) : NULL; /* borrowed */
                 Py_XDECREF(id);
-                if (hit && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == name) {
+                if (hit && PyTuple_CheckExact(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == name) {
                     pool = PyTuple_GET_ITEM(hit, 1);
                     Py_INCREF(pool);
                 } else if (!PyErr_Occurred()) {
@@ -1363,9 +1383,13 @@ static PyObject *device_changes(PyObject *Py_UNUSED(mod), PyObject *const *args,
     PyObject *out = PyList_New(0);
     if (!out)
         return NULL;
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, size = PyDict_GET_SIZE(before);
     PyObject *key, *src;
     while (PyDict_Next(before, &pos, &key, &src)) {
+        if (PyDict_GET_SIZE(before) != size) {
+            PyErr_SetString(PyExc_RuntimeError, "dictionary changed size during iteration");
+            goto fail;
+        }
         PyObject *dst = PyDict_GetItemWithError(after, key); /* borrowed */
         if (!dst) {
             if (PyErr_Occurred())
@@ -1465,18 +1489,28 @@ typedef struct {
     vectorcallfunc vectorcall;
 } RecordObserver;
 
-static PyObject *s_sub, *s_recording, *s_records;
+static PyObject *s_sub, *s_recording, *s_records, *s_append;
 
 static int observer_strings(void) {
-    if (s_records)
+    if (s_append)
         return 0;
     s_sub = PyUnicode_InternFromString("sub");
     s_recording = PyUnicode_InternFromString("recording");
     s_records = PyUnicode_InternFromString("records");
-    return s_sub && s_recording && s_records ? 0 : -1;
+    s_append = PyUnicode_InternFromString("append");
+    return s_sub && s_recording && s_records && s_append ? 0 : -1;
+}
+
+static int observer_cleared(RecordObserver *self) {
+    if (self->original && self->current)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError, "RecordObserver: cleared by the garbage collector");
+    return -1;
 }
 
 static PyObject *observer_call(RecordObserver *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (observer_cleared(self) < 0)
+        return NULL;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs == 1 && kwnames && PyTuple_GET_SIZE(kwnames) == 1 &&
         PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "stream") == 0) {
@@ -1509,8 +1543,13 @@ static PyObject *observer_call(RecordObserver *self, PyObject *const *args, size
     PyObject *et, *ev, *tb;
     PyErr_Fetch(&et, &ev, &tb);
     int down = PyObject_SetAttr(self->current, s_recording, Py_False);
-    if (et)
+    if (down < 0) { /* as in Python, an error in the finally is the one raised */
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+    } else if (et) {
         PyErr_Restore(et, ev, tb);
+    }
     if (!made || down < 0) {
         Py_XDECREF(made);
         Py_DECREF(sub);
@@ -1522,9 +1561,11 @@ static PyObject *observer_call(RecordObserver *self, PyObject *const *args, size
     if (!records)
         return NULL;
     PyObject *pair = PyTuple_Pack(2, args[0], args[1]);
-    int r = pair ? (PyList_Check(records) ? PyList_Append(records, pair) : -1) : -1;
-    if (pair && r < 0 && !PyErr_Occurred()) {
-        PyObject *ret = PyObject_CallMethod(records, "append", "O", pair);
+    int r = -1;
+    if (pair && PyList_CheckExact(records)) {
+        r = PyList_Append(records, pair);
+    } else if (pair) {
+        PyObject *ret = PyObject_CallMethodOneArg(records, s_append, pair);
         r = ret ? 0 : -1;
         Py_XDECREF(ret);
     }
@@ -1584,11 +1625,15 @@ static PyObject *observer_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED
 }
 
 static PyObject *observer_wrapped(RecordObserver *self, void *Py_UNUSED(c)) {
+    if (observer_cleared(self) < 0)
+        return NULL;
     Py_INCREF(self->original);
     return self->original;
 }
 
 static PyObject *observer_doc(RecordObserver *self, void *Py_UNUSED(c)) {
+    if (observer_cleared(self) < 0)
+        return NULL;
     return PyObject_GetAttrString(self->original, "__doc__");
 }
 

@@ -109,3 +109,16 @@ def test_records_of_other_threads_are_not_this_submission(impl: Any) -> None:
 def test_original_must_be_callable(impl: Any) -> None:
     with pytest.raises(TypeError, match="original is torch's record_stream"):
         impl.record_observer(None, _PerThread())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_records_go_through_the_submissions_own_append(impl: Any) -> None:
+    from collections import deque
+
+    current, calls = _PerThread(), []
+    observer = impl.record_observer(_original(calls, current), current)
+    sub = current.sub = _Sub()
+    sub.records = deque()  # type: ignore[assignment]
+    t, s = object(), object()
+    observer(t, s)
+    assert list(sub.records) == [(t, s)]

@@ -261,3 +261,12 @@ def test_received_notes_uses_and_watches_what_is_off_the_device(impl: Any, host:
         if t is not None:
             want.setdefault(("kv", role), t)
     assert list(uses) == list(want) and all(uses[k] is want[k] for k in want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_cached_none_is_described_again(impl: Any) -> None:
+    t = torch.arange(3)
+    cache: dict[Any, Any] = {(id(t), "kv", "host"): None}
+    with facts.NO_TORCH_FUNCTION():
+        got = impl.use_refs({("kv", "host"): t}, cache, TensorRef, facts.META_NAMES, facts.tensor_meta)
+        assert got == [facts.tensor_meta(t, "kv", "host")] == [cache[(id(t), "kv", "host")]]
