@@ -6,7 +6,8 @@ a pure-Python twin that runs where it is not built (``hicache_obs/_native.py``).
 
 - ``hicache_obs._copy``: the cpu runtime's copy loop (twin: the torch kernels);
 - ``hicache_obs._logcore``: the event log's append path (``EventLog.emit``);
-- ``hicache_obs._slots``: slot allocation maps and free-page lists (``SlotTable``).
+- ``hicache_obs._slots``: slot allocation maps and free-page lists (``SlotTable``), and the
+  SGLang adapter's per-submission steps.
 
 A compiler that fails (or none, ``CC=false``) leaves the package pure, with a warning
 from the build. ``HICACHE_OBS_NO_EXTENSIONS`` as at run time: ``1`` builds none, a

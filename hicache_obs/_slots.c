@@ -24,6 +24,11 @@
  * dlpack_facts reads an index tensor's size, address and value runs from its DLPack
  * capsule in one call (the SGLang adapter's reads, between copies, with cold caches).
  *
+ * use_refs / recorded / op_tensors / device_changes / received and RecordObserver are
+ * the SGLang adapter's per-submission steps (its hooks' bookkeeping: a submission's
+ * tensors, its records, its move, its copies), each a few C calls where it was a dozen
+ * Python ones; see each one's comment.
+ *
  * An optional accelerator (hicache_obs/_native.py) of its pure twin
  * hicache_obs/events/_slots_py.py (tests/native/test_differential_slots.py), needed for
  * events.replay_audit_per_s and for the footprint of big pools (10 bytes a page here,
@@ -1745,7 +1750,8 @@ static PyTypeObject SlotMapType = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
-                                    "Slot allocation maps, free-page lists and run-length encoding of slot indices.",
+                                    "Slot allocation maps, free-page lists, run-length encoding of slot indices, and the SGLang "
+                                    "adapter's per-submission steps.",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {

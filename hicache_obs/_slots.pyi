@@ -1,4 +1,5 @@
-# Slot allocation maps, free-page lists and run-length encoding of slot indices (hicache_obs/_slots.c).
+# Slot allocation maps, free-page lists, run-length encoding of slot indices and the SGLang
+# adapter's per-submission steps (hicache_obs/_slots.c).
 from typing import Any
 
 class SlotMap:
