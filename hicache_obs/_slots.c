@@ -905,23 +905,35 @@ fail:
  * A tensor is described here where it reports is_cuda with a device of the torch.device
  * class that names holds, or is_cpu, and its dtype is in names: the fields tensor_meta
  * would give. Any other tensor goes to slow. */
+/* the names the adapter's steps read and write, interned once when the module loads */
 static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_ptr, *s_cpu, *s_ptr, *s_kwnames;
+static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
+static PyObject *s_sub, *s_recording, *s_records, *s_append;
 
-static int describe_strings(void) {
-    if (s_kwnames)
-        return 0;
-    s_is_cuda = PyUnicode_InternFromString("is_cuda");
-    s_is_cpu = PyUnicode_InternFromString("is_cpu");
-    s_device = PyUnicode_InternFromString("device");
-    s_dtype = PyUnicode_InternFromString("dtype");
-    s_numel = PyUnicode_InternFromString("numel");
-    s_data_ptr = PyUnicode_InternFromString("data_ptr");
-    s_cpu = PyUnicode_InternFromString("cpu");
-    s_ptr = PyUnicode_InternFromString("ptr");
-    if (!s_is_cuda || !s_is_cpu || !s_device || !s_dtype || !s_numel || !s_data_ptr || !s_cpu || !s_ptr)
-        return -1;
+static int adapter_strings(void) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_is_cuda, "is_cuda"}, {&s_is_cpu, "is_cpu"}, {&s_device, "device"}, {&s_dtype, "dtype"},
+        {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}, {&s_cpu, "cpu"}, {&s_ptr, "ptr"},
+        {&s_name, "name"}, {&s_host_indices, "host_indices"}, {&s_device_indices, "device_indices"},
+        {&s_host, "host"}, {&s_sub, "sub"}, {&s_recording, "recording"}, {&s_records, "records"},
+        {&s_append, "append"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
+            return -1;
     s_kwnames = Py_BuildValue("(ssssss)", "pool", "role", "device", "numel", "dtype", "ptr");
     return s_kwnames ? 0 : -1;
+}
+
+/* 0 where a function that takes n arguments got nargs of them; else -1 with a TypeError */
+static int takes(const char *name, Py_ssize_t nargs, Py_ssize_t n) {
+    if (nargs == n)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, n, nargs);
+    return -1;
 }
 
 /* A borrowed bool attribute: 1, 0, or -1 with an error. */
@@ -997,10 +1009,8 @@ done:
 }
 
 static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "use_refs() takes 5 arguments (%zd given)", nargs);
+    if (takes("use_refs", nargs, 5) < 0)
         return NULL;
-    }
     PyObject *uses = args[0], *cache = args[1], *ref_type = args[2], *names = args[3], *slow = args[4];
     if (!PyDict_Check(uses) || !PyDict_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "use_refs(): uses and cache are dicts");
@@ -1015,8 +1025,6 @@ static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_TypeError, "use_refs(): names is (dtype names dict, device names dict, device class)");
         return NULL;
     }
-    if (describe_strings() < 0)
-        return NULL;
     PyObject *dtype_names = PyTuple_GET_ITEM(names, 0), *cuda_names = PyTuple_GET_ITEM(names, 1);
     PyObject *device_type = PyTuple_GET_ITEM(names, 2);
     PyObject *out = PyList_New(0);
@@ -1091,10 +1099,8 @@ static void free_facts(Py_ssize_t *order, PyObject **facts, Py_ssize_t n) {
 }
 
 static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "recorded() takes 6 arguments (%zd given)", nargs);
+    if (takes("recorded", nargs, 6) < 0)
         return NULL;
-    }
     PyObject *tensors = args[0], *refs = args[1], *records = args[2], *stream = args[3], *stream_name = args[4];
     PyObject *stream_names = args[5];
     if (!PyList_Check(tensors) || !PyList_Check(refs) || !PyList_Check(records) || !PyDict_Check(stream_names)) {
@@ -1106,8 +1112,6 @@ static PyObject *recorded(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
         PyErr_Format(PyExc_ValueError, "recorded(): %zd tensors and %zd refs", n, PyList_GET_SIZE(refs));
         return NULL;
     }
-    if (describe_strings() < 0)
-        return NULL;
     PyObject *out = PyList_New(0);
     if (!out)
         return NULL;
@@ -1256,19 +1260,6 @@ fail:
  *   before a move) that after (after it) holds as another object on another device, in
  *   before's order. Device names as device_name gives them (names as for use_refs; any
  *   other tensor is slow(tensor)'s). Run with torch function dispatch off. */
-static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host, *s_device_role;
-
-static int move_strings(void) {
-    if (s_device_role)
-        return 0;
-    s_name = PyUnicode_InternFromString("name");
-    s_host_indices = PyUnicode_InternFromString("host_indices");
-    s_device_indices = PyUnicode_InternFromString("device_indices");
-    s_host = PyUnicode_InternFromString("host");
-    s_device_role = PyUnicode_InternFromString("device");
-    return s_name && s_host_indices && s_device_indices && s_host && s_device_role ? 0 : -1;
-}
-
 /* out[(pool, role)] = t where t is a tensor_type; 0, or -1 with an error */
 static int put_tensor(PyObject *out, PyObject *pool, PyObject *role, PyObject *t, PyObject *tensor_type) {
     int is = PyObject_IsInstance(t, tensor_type);
@@ -1283,18 +1274,14 @@ static int put_tensor(PyObject *out, PyObject *pool, PyObject *role, PyObject *t
 }
 
 static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "op_tensors() takes 7 arguments (%zd given)", nargs);
+    if (takes("op_tensors", nargs, 7) < 0)
         return NULL;
-    }
     PyObject *host = args[0], *device = args[1], *transfers = args[2], *anchor = args[3], *tensor_type = args[4];
     PyObject *pool_names = args[5], *pool_name = args[6];
     if (!PyDict_Check(pool_names)) {
         PyErr_SetString(PyExc_TypeError, "op_tensors(): pool_names is a dict");
         return NULL;
     }
-    if (move_strings() < 0)
-        return NULL;
     /* every transfer's (pool, host, device) is read before any is put, as a list of them */
     PyObject *rows = PyList_New(0), *out = NULL;
     if (!rows)
@@ -1343,13 +1330,13 @@ static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_
     }
     out = PyDict_New();
     if (!out || put_tensor(out, anchor, s_host, host, tensor_type) < 0 ||
-        put_tensor(out, anchor, s_device_role, device, tensor_type) < 0)
+        put_tensor(out, anchor, s_device, device, tensor_type) < 0)
         goto fail;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rows); i++) {
         PyObject *row = PyList_GET_ITEM(rows, i);
         PyObject *pool = PyTuple_GET_ITEM(row, 0);
         if (put_tensor(out, pool, s_host, PyTuple_GET_ITEM(row, 1), tensor_type) < 0 ||
-            put_tensor(out, pool, s_device_role, PyTuple_GET_ITEM(row, 2), tensor_type) < 0)
+            put_tensor(out, pool, s_device, PyTuple_GET_ITEM(row, 2), tensor_type) < 0)
             goto fail;
     }
     goto done;
@@ -1369,10 +1356,8 @@ static PyObject *device_of(PyObject *t, PyObject *cuda_names, PyObject *device_t
 }
 
 static PyObject *device_changes(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "device_changes() takes 4 arguments (%zd given)", nargs);
+    if (takes("device_changes", nargs, 4) < 0)
         return NULL;
-    }
     PyObject *before = args[0], *after = args[1], *names = args[2], *slow = args[3];
     if (!PyDict_Check(before) || !PyDict_Check(after)) {
         PyErr_SetString(PyExc_TypeError, "device_changes(): before and after are dicts");
@@ -1382,8 +1367,6 @@ static PyObject *device_changes(PyObject *Py_UNUSED(mod), PyObject *const *args,
         PyErr_SetString(PyExc_TypeError, "device_changes(): names is (dtype names dict, device names dict, device class)");
         return NULL;
     }
-    if (describe_strings() < 0)
-        return NULL;
     PyObject *cuda_names = PyTuple_GET_ITEM(names, 1), *device_type = PyTuple_GET_ITEM(names, 2);
     PyObject *out = PyList_New(0);
     if (!out)
@@ -1433,21 +1416,17 @@ fail:
  *   the device, which the copy could move to it itself). Run with torch function dispatch
  *   off. */
 static PyObject *received(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "received() takes 5 arguments (%zd given)", nargs);
+    if (takes("received", nargs, 5) < 0)
         return NULL;
-    }
     PyObject *uses = args[0], *pool = args[1], *tensor_type = args[4];
     if (!PyDict_Check(uses)) {
         PyErr_SetString(PyExc_TypeError, "received(): uses is a dict");
         return NULL;
     }
-    if (describe_strings() < 0 || move_strings() < 0)
-        return NULL;
     PyObject *watched = PyDict_New();
     if (!watched)
         return NULL;
-    PyObject *roles[2] = {s_host, s_device_role};
+    PyObject *roles[2] = {s_host, s_device};
     for (int i = 0; i < 2; i++) {
         PyObject *t = args[2 + i];
         int is = PyObject_IsInstance(t, tensor_type);
@@ -1493,18 +1472,6 @@ typedef struct {
     PyObject *original, *current;
     vectorcallfunc vectorcall;
 } RecordObserver;
-
-static PyObject *s_sub, *s_recording, *s_records, *s_append;
-
-static int observer_strings(void) {
-    if (s_append)
-        return 0;
-    s_sub = PyUnicode_InternFromString("sub");
-    s_recording = PyUnicode_InternFromString("recording");
-    s_records = PyUnicode_InternFromString("records");
-    s_append = PyUnicode_InternFromString("append");
-    return s_sub && s_recording && s_records && s_append ? 0 : -1;
-}
 
 static int observer_cleared(RecordObserver *self) {
     if (self->original && self->current)
@@ -1590,8 +1557,6 @@ static PyObject *observer_new(PyTypeObject *type, PyObject *args, PyObject *kwar
         PyErr_Format(PyExc_TypeError, "RecordObserver(): original is torch's record_stream, got %R", original);
         return NULL;
     }
-    if (observer_strings() < 0)
-        return NULL;
     RecordObserver *self = (RecordObserver *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
@@ -1663,10 +1628,8 @@ static PyTypeObject RecordObserverType = {
 };
 
 static PyObject *record_observer(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "record_observer() takes 2 arguments (%zd given)", nargs);
+    if (takes("record_observer", nargs, 2) < 0)
         return NULL;
-    }
     return PyObject_CallFunctionObjArgs((PyObject *)&RecordObserverType, args[0], args[1], NULL);
 }
 
@@ -1755,7 +1718,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {
-    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0)
+    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0 || adapter_strings() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
