@@ -56,6 +56,7 @@ __all__ = [
     "received",
     "record_observer",
     "recorded",
+    "recording",
     "runs_of",
     "side_runs",
     "use_refs",
@@ -168,6 +169,7 @@ dlpack_facts = _slots.dlpack_facts
 use_refs = _slots.use_refs
 recorded = _slots.recorded
 record_observer = _slots.record_observer
+recording = _slots.recording
 op_tensors = _slots.op_tensors
 device_changes = _slots.device_changes
 received = _slots.received

@@ -908,7 +908,7 @@ fail:
 /* the names the adapter's steps read and write, interned once when the module loads */
 static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_ptr, *s_cpu, *s_ptr, *s_kwnames;
 static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
-static PyObject *s_sub, *s_recording, *s_records, *s_append;
+static PyObject *s_sub, *s_records, *s_append;
 
 static int adapter_strings(void) {
     struct {
@@ -918,7 +918,7 @@ static int adapter_strings(void) {
         {&s_is_cuda, "is_cuda"}, {&s_is_cpu, "is_cpu"}, {&s_device, "device"}, {&s_dtype, "dtype"},
         {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}, {&s_cpu, "cpu"}, {&s_ptr, "ptr"},
         {&s_name, "name"}, {&s_host_indices, "host_indices"}, {&s_device_indices, "device_indices"},
-        {&s_host, "host"}, {&s_sub, "sub"}, {&s_recording, "recording"}, {&s_records, "records"},
+        {&s_host, "host"}, {&s_sub, "sub"}, {&s_records, "records"},
         {&s_append, "append"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
@@ -1463,10 +1463,13 @@ fail:
  * RecordObserver(original, current): what the SGLang adapter puts as
  * torch.Tensor.record_stream while a controller is instrumented (a descriptor: it binds
  * to the tensor as a method does). A call record_stream(tensor, stream) with current.sub
- * set and current.recording not set makes the record (original(tensor, stream)) with
- * current.recording set, then appends (tensor, stream) to current.sub.records; any other
+ * set, on a thread not already inside a record (recording_here: torch-function dispatch
+ * calls the observer again), makes the record (original(tensor, stream)) with
+ * recording_here set, then appends (tensor, stream) to current.sub.records; any other
  * call, or one of another shape, is original's as it came (record_stream(tensor,
  * stream=s) is the same call). A record that raised was not made: it is not appended. */
+static _Thread_local int recording_here;
+
 typedef struct {
     PyObject_HEAD
     PyObject *original, *current;
@@ -1499,31 +1502,14 @@ static PyObject *observer_call(RecordObserver *self, PyObject *const *args, size
         Py_DECREF(sub);
         return PyObject_Vectorcall(self->original, args, nargsf, NULL);
     }
-    PyObject *recording = PyObject_GetAttr(self->current, s_recording);
-    int busy = recording ? PyObject_IsTrue(recording) : -1;
-    Py_XDECREF(recording);
-    if (busy) {
+    if (recording_here) {
         Py_DECREF(sub);
-        return busy < 0 ? NULL : PyObject_Vectorcall(self->original, args, nargsf, NULL);
+        return PyObject_Vectorcall(self->original, args, nargsf, NULL);
     }
-    if (PyObject_SetAttr(self->current, s_recording, Py_True) < 0) {
-        Py_DECREF(sub);
-        return NULL;
-    }
+    recording_here = 1;
     PyObject *made = PyObject_Vectorcall(self->original, args, nargsf, NULL);
-    /* as a finally: the flag comes down whatever the record did */
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb);
-    int down = PyObject_SetAttr(self->current, s_recording, Py_False);
-    if (down < 0) { /* as in Python, an error in the finally is the one raised */
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
-    } else if (et) {
-        PyErr_Restore(et, ev, tb);
-    }
-    if (!made || down < 0) {
-        Py_XDECREF(made);
+    recording_here = 0; /* whatever the record did */
+    if (!made) {
         Py_DECREF(sub);
         return NULL;
     }
@@ -1627,6 +1613,10 @@ static PyTypeObject RecordObserverType = {
     .tp_getset = observer_getset,
 };
 
+static PyObject *recording(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
+    return PyBool_FromLong(recording_here);
+}
+
 static PyObject *record_observer(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     if (takes("record_observer", nargs, 2) < 0)
         return NULL;
@@ -1653,7 +1643,9 @@ static PyMethodDef module_methods[] = {
     {"record_observer", (PyCFunction)(void (*)(void))record_observer, METH_FASTCALL,
      "record_observer(original, current, /)\n--\n\nWhat the SGLang adapter puts as torch.Tensor.record_stream: "
      "original's record, then (tensor, stream) appended to current.sub.records when current.sub is set and "
-     "current.recording is not."},
+     "this thread is not inside a record already."},
+    {"recording", recording, METH_NOARGS,
+     "recording()\n--\n\nWhether this thread is inside a record a record observer is making."},
     {"op_tensors", (PyCFunction)(void (*)(void))op_tensors, METH_FASTCALL,
      "op_tensors(host, device, transfers, anchor, tensor_type, pool_names, pool_name, /)\n--\n\n{(pool, role): "
      "tensor} of an op: the anchor's host and device indices and each transfer's, where they are tensors."},

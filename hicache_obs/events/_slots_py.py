@@ -42,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import operator
+import threading
 from typing import Any
 
 import numpy as np
@@ -720,25 +721,38 @@ def recorded(
     return out
 
 
+class _Recording(threading.local):
+    on: bool = False
+
+
+_RECORDING = _Recording()
+
+
+def recording() -> bool:
+    """Whether this thread is inside a record a record observer is making."""
+    return _RECORDING.on
+
+
 def record_observer(original: Any, current: Any, /) -> Any:
     """What the SGLang adapter puts as ``torch.Tensor.record_stream``: a call
-    ``record_stream(tensor, stream)`` with ``current.sub`` set and ``current.recording`` not
-    set makes the record (``original(tensor, stream)``) with ``current.recording`` set, then
-    appends ``(tensor, stream)`` to ``current.sub.records``; any other call is ``original``'s.
-    A record that raised was not made: it is not appended."""
+    ``record_stream(tensor, stream)`` with ``current.sub`` set, on a thread not already inside
+    a record (:func:`recording`: torch-function dispatch calls the observer again), makes the
+    record (``original(tensor, stream)``) with :func:`recording` set, then appends ``(tensor,
+    stream)`` to ``current.sub.records``; any other call is ``original``'s. A record that
+    raised was not made: it is not appended."""
     if not callable(original):
         raise TypeError(f"RecordObserver(): original is torch's record_stream, got {original!r}")
+    here = _RECORDING
 
     def record_stream(tensor: Any, stream: Any) -> None:
-        cur = current
-        sub = cur.sub
-        if sub is None or cur.recording:  # no submission; torch-function dispatch calls us again
+        sub = current.sub
+        if sub is None or here.on:  # no submission; torch-function dispatch calls us again
             return original(tensor, stream)  # type: ignore[no-any-return]
-        cur.recording = True
+        here.on = True
         try:
             original(tensor, stream)  # a record that fails was not made
         finally:
-            cur.recording = False
+            here.on = False
         sub.records.append((tensor, stream))
         return None
 

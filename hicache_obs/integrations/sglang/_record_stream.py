@@ -21,11 +21,10 @@ __all__ = ["RECORDS", "RecordStreamObserver", "current"]
 
 class _PerThread(threading.local):
     """Per thread: ``sub``, the submission (``start_writing``/``start_loading`` call) running
-    on it, if any; ``recording``, set while a record is being made. The class holds the
-    defaults, so a thread that never set them reads them without a failed lookup."""
+    on it, if any. The class holds the default, so a thread that never set it reads it
+    without a failed lookup."""
 
     sub: Any = None
-    recording: bool = False
 
 
 current = _PerThread()
