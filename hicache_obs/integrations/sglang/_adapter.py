@@ -41,6 +41,7 @@ from __future__ import annotations
 import gc
 import inspect
 import logging
+import operator
 import threading
 import time
 import types
@@ -206,7 +207,9 @@ class _ConversionWatch:
         self.pool = pool
         self.values = values  # describe a moved tensor with its values (else its metadata only)
         self.watched = watched  # id(tensor) -> (role, tensor)
-        self.known = known  # roles whose move this op already reported (a copy per layer moves each layer)
+        # roles whose move this op reported (a copy per layer moves each layer), and those this
+        # watch saw (a subclass's torch-function dispatch calls the method a second time)
+        self.known = set(known)
         self._failed = failed
         self.moves: list[tuple[str, str, str, TensorRef]] = []
         self._thread = threading.get_ident()
@@ -233,6 +236,7 @@ class _ConversionWatch:
                                 else tensor_meta(out, self.pool, role)
                             )
                             self.moves.append((role, before, after, ref))
+                            self.known.add(role)
                 except Exception:
                     self._failed("describe an index tensor a copy moved")
             return out
@@ -257,30 +261,37 @@ class _ConversionWatch:
 
 
 # ------------------------------------------------------------------ submissions
-@dataclass(slots=True)
 class _Submission:
     """What one ``start_writing``/``start_loading`` call did, as observed."""
 
-    inst: Instrumentation
-    direction: str
-    queued: tuple[int, ...]
-    queued_ops: list[Any] = field(default_factory=list)
-    op: Any = None
-    merged_emitted: bool = False
-    uses: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
-    records: list[tuple[torch.Tensor, Any]] = field(default_factory=list)  # (tensor, stream), as made
-    acks: list[Any] = field(default_factory=list)
-    # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
-    side_moves: list[tuple[str, str, str, str, TensorRef]] = field(default_factory=list)
-    # pools whose copy took CPU host indices by design (a staged write-back kernel)
-    host_indices_on_cpu: list[str] = field(default_factory=list)
-    # picked for the full audit (profile ``sampling``); the op-level moves (one event profiles)
-    sampled: bool = False
-    moves: list[Moved] = field(default_factory=list)
-    # (pool, id(host indices), id(device indices)) of the copies seen: the tensors stay alive with the op
-    copied: set[tuple[str, int, int]] = field(default_factory=set)
-    # (id(tensor), pool, role) -> its TensorRef (one event profiles: each tensor described once)
-    refs: dict[tuple[int, str, str], TensorRef] = field(default_factory=dict)
+    __slots__ = (
+        "inst", "direction", "queued", "queued_ops", "op", "merged_emitted", "uses", "records", "acks",
+        "side_moves", "host_indices_on_cpu", "sampled", "moves", "copied", "refs",
+    )  # fmt: skip
+
+    def __init__(
+        self, inst: Instrumentation, direction: str, queued: tuple[int, ...], queued_ops: list[Any] | None = None
+    ) -> None:
+        self.inst = inst
+        self.direction = direction
+        self.queued = queued
+        self.queued_ops = [] if queued_ops is None else queued_ops
+        self.op: Any = None
+        self.merged_emitted = False
+        self.uses: dict[tuple[str, str], torch.Tensor] = {}
+        self.records: list[tuple[torch.Tensor, Any]] = []  # (tensor, stream), as made
+        self.acks: list[Any] = []
+        # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
+        self.side_moves: list[tuple[str, str, str, str, TensorRef]] = []
+        # pools whose copy took CPU host indices by design (a staged write-back kernel)
+        self.host_indices_on_cpu: list[str] = []
+        # picked for the full audit (profile ``sampling``); the op-level moves (one event profiles)
+        self.sampled = False
+        self.moves: list[Moved] = []
+        # (pool, id(host indices), id(device indices)) of the copies seen: the tensors stay alive with the op
+        self.copied: set[tuple[str, int, int]] = set()
+        # (id(tensor), pool, role) -> its TensorRef (one event profiles: each tensor described once)
+        self.refs: dict[tuple[int, str, str], TensorRef] = {}
 
     def ref(self, t: torch.Tensor, pool: str, role: str) -> TensorRef:
         """``t``'s description in this submission (its values where ``sampled``), made once."""
@@ -1348,6 +1359,10 @@ class Instrumentation:
                 )
 
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        kernel = self._shape.io_backend == "kernel"  # a direct copy reads host indices as they are
+        staged = kernel and self._shape.layout == "page_first"  # a write may be staged (_staged_write_back)
+        failed, full = self._failed, self._full
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
                 sub = current.sub
@@ -1355,29 +1370,30 @@ class Instrumentation:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
                 # a load copies layer by layer with the same index tensors: the first call says it all
                 key = (pool, id(host_indices), id(device_indices))
-                if key in sub.copied:
+                copied = sub.copied
+                if key in copied:
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                sub.copied.add(key)
+                copied.add(key)
                 try:
                     with NO_TORCH_FUNCTION():
                         watched = self._received(sub, pool, host_indices, device_indices)
                 except Exception:
-                    self._failed("describe the index tensors a copy received")
+                    failed("describe the index tensors a copy received")
                     watched = None
-                if watched and self._staged_write_back(sub, host_pool) and pool not in sub.host_indices_on_cpu:
-                    sub.host_indices_on_cpu.append(pool)
-                if not watched or self._shape.io_backend != "kernel":
-                    # nothing to watch: a direct copy reads host indices as they are
+                if not watched or not kernel:  # nothing to watch
                     return original(device_pool, host_indices, device_indices, *args, **kwargs)
+                if staged and self._staged_write_back(sub, host_pool) and pool not in sub.host_indices_on_cpu:
+                    sub.host_indices_on_cpu.append(pool)
                 # the first move of each (pool, role) in an op is reported: a load copies per
                 # layer, and each layer's copy converts the same indices again
-                known = frozenset(m[1] for m in sub.side_moves if m[0] == pool)
-                watch = _ConversionWatch(pool, watched, self._failed, known, self._full or sub.sampled)
+                side_moves = sub.side_moves
+                known = frozenset([m[1] for m in side_moves if m[0] == pool]) if side_moves else frozenset()
+                watch = _ConversionWatch(pool, watched, failed, known, full or sub.sampled)
                 with watch:
                     out = original(device_pool, host_indices, device_indices, *args, **kwargs)
                 for role, src, dst, ref in watch.moves:
                     if role not in known:
-                        sub.side_moves.append((pool, role, src, dst, ref))
+                        side_moves.append((pool, role, src, dst, ref))
                         known |= {role}
                 return out
 
@@ -1526,11 +1542,17 @@ class Instrumentation:
 
     def _slots_by_pool(self, op: Any) -> tuple[tuple[str, int], ...]:
         slots = {ANCHOR: int(op.host_indices.numel())}
-        for t in getattr(op, "pool_transfers", None) or ():
+        transfers = getattr(op, "pool_transfers", None)
+        if not transfers:
+            return tuple(slots.items())
+        names = _POOL_NAMES
+        for t in transfers:
             if getattr(t, "indices_from_pool", None) is not None:
                 continue
             idx = t.host_indices if t.host_indices is not None else t.device_indices
-            name = _pool_name(t.name)
+            key = t.name
+            hit = names.get(id(key))
+            name = hit[1] if hit is not None and hit[0] is key else _pool_name(key)
             slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
         return tuple(slots.items())
 
@@ -1564,7 +1586,12 @@ class Instrumentation:
         if queued_at:
             # the submission merging them clears its queue before its event takes their times
             sub = current.sub
-            taken = {id(q) for q in sub.queued_ops} if sub is not None and sub.direction == direction else ()
+            taken: Any = ()
+            if sub is not None and sub.direction == direction:
+                mine = sub.queued_ops
+                if len(mine) == len(ops) and all(map(operator.is_, mine, ops)):
+                    return  # the ops it merged, as it found them (the usual clear)
+                taken = {id(q) for q in mine}
             for op in ops:
                 if id(op) not in taken:
                     queued_at.pop(id(op), None)
@@ -1677,6 +1704,7 @@ class Instrumentation:
         """What a ``TransferSubmitted`` (or an ``OpsSubmitted``) says of the submission."""
         op = sub.op
         slots = self._slots_by_pool(op) if op is not None else ()
+        slot_bytes = self._slot_bytes
         return {
             "op": op_id,
             "direction": sub.direction,
@@ -1685,7 +1713,7 @@ class Instrumentation:
             "layout": self._shape.layout,
             "tensors": tuple(refs),
             "slots_by_pool": slots,
-            "bytes_by_pool": tuple((p, n * self._slot_bytes.get(p, 0)) for p, n in slots),
+            "bytes_by_pool": tuple([(p, n * slot_bytes.get(p, 0)) for p, n in slots]) if slots else (),
             "producer_id": int(result) if sub.direction == H2D and isinstance(result, int) else -1,
             "device": self._device,
             "host_indices_on_cpu": tuple(sub.host_indices_on_cpu),
@@ -1717,9 +1745,12 @@ class Instrumentation:
         else:  # as sub.ref: each tensor's metadata, made once
             refs = use_refs(sub.uses, sub.refs, TensorRef, facts.META_NAMES, tensor_meta)
         records = self._recorded(sub, refs, stream, stream_name)
-        moves = list(sub.moves)
-        for pool, role, src, dst, ref in sub.side_moves:
-            moves.append(Moved(pool, role, src, dst, ref, stream_name))  # type: ignore[arg-type]
+        moves = sub.moves
+        if sub.side_moves:
+            moves = moves + [
+                Moved(pool, role, src, dst, ref, stream_name)  # type: ignore[arg-type]
+                for pool, role, src, dst, ref in sub.side_moves
+            ]
         queued_at = self._queued_at
         now = time.time_ns()
         # occupancy rides along at most every POOLS_EVERY_NS (the launcher's /metrics reads the
@@ -1744,7 +1775,7 @@ class Instrumentation:
                 OpsSubmitted,
                 **self._transfer_fields(sub, op_id, stream_name, refs, result),
                 queued=tuple(queued),
-                node_ids=tuple(int(n) for n in getattr(op, "node_ids", ()) or ()) if op is not None else (),
+                node_ids=tuple([int(n) for n in getattr(op, "node_ids", ()) or ()]) if op is not None else (),
                 moves=tuple(moves),
                 records=tuple(records),
                 sampled=values,

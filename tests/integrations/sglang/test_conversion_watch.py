@@ -112,3 +112,24 @@ def test_a_description_that_fails_is_counted_and_the_move_still_happens(monkeypa
         out = t.to("meta")
     assert out.device.type == "meta" and out.shape == (6,)
     assert w.moves == [] and failed == ["describe an index tensor a copy moved"]
+
+
+def test_a_second_move_of_a_role_in_one_watch_is_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subclass's torch-function dispatch calls the watched method again for one ``.to()``:
+    the role's first move is kept and described, a second one in the same copy is neither."""
+    from hicache_obs.integrations.sglang import _adapter as adapter
+
+    described: list[str] = []
+    real = adapter.tensor_ref
+
+    def counting(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> object:
+        described.append(role)
+        return real(t, pool, role, dev)
+
+    monkeypatch.setattr(adapter, "tensor_ref", counting)
+    t = torch.arange(4)
+    with _watch(t) as w:
+        first = t.to("meta")
+        again = t.to("meta")
+    assert first.device.type == again.device.type == "meta"  # both converted, as asked
+    assert [m[0] for m in w.moves] == ["host"] and described == ["host"]
