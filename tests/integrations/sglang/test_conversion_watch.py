@@ -23,6 +23,21 @@ def _watch(t: torch.Tensor, role: str = "host", failed: list[str] | None = None)
     return _ConversionWatch("mamba", {id(t): (role, t)}, count)
 
 
+def _count_descriptions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The roles the watch describes from now on, in order (``tensor_ref`` counted)."""
+    from hicache_obs.integrations.sglang import _adapter as adapter
+
+    described: list[str] = []
+    real = adapter.tensor_ref
+
+    def counting(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> object:
+        described.append(role)
+        return real(t, pool, role, dev)
+
+    monkeypatch.setattr(adapter, "tensor_ref", counting)
+    return described
+
+
 def test_a_move_of_a_received_tensor_is_seen_with_its_new_tensor() -> None:
     t = torch.arange(8, dtype=torch.int64)
     with _watch(t) as w:
@@ -39,16 +54,7 @@ def test_a_role_whose_move_the_op_already_reported_is_not_described_again(monkey
     """A load copies per layer and each layer's copy converts the same indices again: the
     op's first move of a role is reported, the later ones are neither described nor kept
     (the conversion itself still happens)."""
-    from hicache_obs.integrations.sglang import _adapter as adapter
-
-    described: list[str] = []
-    real = adapter.tensor_ref
-
-    def counting(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> object:
-        described.append(role)
-        return real(t, pool, role, dev)
-
-    monkeypatch.setattr(adapter, "tensor_ref", counting)
+    described = _count_descriptions(monkeypatch)
     h, d = torch.arange(4), torch.arange(4)
 
     def fail(what: str) -> None:
@@ -117,16 +123,7 @@ def test_a_description_that_fails_is_counted_and_the_move_still_happens(monkeypa
 def test_a_second_move_of_a_role_in_one_watch_is_not_described(monkeypatch: pytest.MonkeyPatch) -> None:
     """A subclass's torch-function dispatch calls the watched method again for one ``.to()``:
     the role's first move is kept and described, a second one in the same copy is neither."""
-    from hicache_obs.integrations.sglang import _adapter as adapter
-
-    described: list[str] = []
-    real = adapter.tensor_ref
-
-    def counting(t: torch.Tensor, pool: str, role: str, dev: str | None = None) -> object:
-        described.append(role)
-        return real(t, pool, role, dev)
-
-    monkeypatch.setattr(adapter, "tensor_ref", counting)
+    described = _count_descriptions(monkeypatch)
     t = torch.arange(4)
     with _watch(t) as w:
         first = t.to("meta")
