@@ -9,7 +9,9 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
-  :func:`device_changes`, :func:`received`) and its ``record_stream`` observer (:func:`record_observer`);
+  :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`device_of`,
+  :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
+  copy hook (:func:`copy_hook`) and its conversion watch's observer (:func:`conversion_observer`);
   twin: ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
@@ -47,10 +49,14 @@ __all__ = [
     "REQUIRE_EXTENSIONS_ENV",
     "LogCore",
     "SlotMap",
+    "conversion_observer",
     "copy",
+    "copy_hook",
     "device_changes",
+    "device_of",
     "dlpack_facts",
     "gap_free_run",
+    "meta_ref",
     "op_tensors",
     "pair_runs_of",
     "received",
@@ -59,6 +65,7 @@ __all__ = [
     "recording",
     "runs_of",
     "side_runs",
+    "slots_by_pool",
     "use_refs",
 ]
 
@@ -173,5 +180,10 @@ recording = _slots.recording
 op_tensors = _slots.op_tensors
 device_changes = _slots.device_changes
 received = _slots.received
+meta_ref = _slots.meta_ref
+device_of = _slots.device_of
+copy_hook = _slots.copy_hook
+conversion_observer = _slots.conversion_observer
+slots_by_pool = _slots.slots_by_pool
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

@@ -908,7 +908,8 @@ fail:
 /* the names the adapter's steps read and write, interned once when the module loads */
 static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_ptr, *s_cpu, *s_ptr, *s_kwnames;
 static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
-static PyObject *s_sub, *s_records, *s_append;
+static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
+static PyObject *s_known, *s_thread, *s_describe;
 
 static int adapter_strings(void) {
     struct {
@@ -919,7 +920,8 @@ static int adapter_strings(void) {
         {&s_numel, "numel"}, {&s_data_ptr, "data_ptr"}, {&s_cpu, "cpu"}, {&s_ptr, "ptr"},
         {&s_name, "name"}, {&s_host_indices, "host_indices"}, {&s_device_indices, "device_indices"},
         {&s_host, "host"}, {&s_sub, "sub"}, {&s_records, "records"},
-        {&s_append, "append"},
+        {&s_append, "append"}, {&s_pool_transfers, "pool_transfers"}, {&s_indices_from_pool, "indices_from_pool"},
+        {&s_copied, "copied"}, {&s_known, "known"}, {&s_thread, "thread"}, {&s_describe, "describe"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -1071,6 +1073,51 @@ static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ss
 fail:
     Py_DECREF(out);
     return NULL;
+}
+
+/* meta_ref(t, pool, role, ref_type, names, slow) -> TensorRef
+ *   One tensor's description as use_refs makes it, uncached: read the fast way where it
+ *   can be (see fast_meta), else slow(t, pool, role). Run with torch function dispatch off.
+ * device_of(t, names, slow) -> str
+ *   One tensor's device name the fast way (see fast_device), else slow(t). */
+static int names_ok(const char *fn, PyObject *names) {
+    if (PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 3 && PyDict_Check(PyTuple_GET_ITEM(names, 0)) &&
+        PyDict_Check(PyTuple_GET_ITEM(names, 1)))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s(): names is (dtype names dict, device names dict, device class)", fn);
+    return -1;
+}
+
+static PyObject *meta_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("meta_ref", nargs, 6) < 0)
+        return NULL;
+    PyObject *t = args[0], *pool = args[1], *role = args[2], *ref_type = args[3], *names = args[4], *slow = args[5];
+    if (names_ok("meta_ref", names) < 0)
+        return NULL;
+    if (!PyCallable_Check(ref_type) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "meta_ref(): ref_type (the TensorRef class) and slow are callables");
+        return NULL;
+    }
+    PyObject *ref = fast_meta(t, pool, role, ref_type, PyTuple_GET_ITEM(names, 0), PyTuple_GET_ITEM(names, 1),
+                              PyTuple_GET_ITEM(names, 2));
+    if (ref || PyErr_Occurred())
+        return ref;
+    return PyObject_CallFunctionObjArgs(slow, t, pool, role, NULL);
+}
+
+static PyObject *device_of(PyObject *t, PyObject *cuda_names, PyObject *device_type, PyObject *slow);
+
+static PyObject *device_name_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("device_of", nargs, 3) < 0)
+        return NULL;
+    PyObject *names = args[1], *slow = args[2];
+    if (names_ok("device_of", names) < 0)
+        return NULL;
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "device_of(): slow is a callable");
+        return NULL;
+    }
+    return device_of(args[0], PyTuple_GET_ITEM(names, 1), PyTuple_GET_ITEM(names, 2), slow);
 }
 
 /* recorded(tensors, refs, records, stream, stream_name, stream_names) -> list
@@ -1273,6 +1320,44 @@ static int put_tensor(PyObject *out, PyObject *pool, PyObject *role, PyObject *t
     return r;
 }
 
+/* The text of a transfer's pool (t.name): pool_names[id(name)] = (name, text) where that
+ * entry holds this name object, else pool_name(name); new reference, or NULL with an error. */
+static PyObject *transfer_pool(PyObject *t, PyObject *pool_names, PyObject *pool_name) {
+    PyObject *name = PyObject_GetAttr(t, s_name), *pool = NULL;
+    if (!name)
+        return NULL;
+    PyObject *id = PyLong_FromVoidPtr(name);
+    PyObject *hit = id ? PyDict_GetItemWithError(pool_names, id) : NULL; /* borrowed */
+    Py_XDECREF(id);
+    if (hit && PyTuple_CheckExact(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == name) {
+        pool = PyTuple_GET_ITEM(hit, 1);
+        Py_INCREF(pool);
+    } else if (!PyErr_Occurred()) {
+        pool = PyObject_CallOneArg(pool_name, name);
+    }
+    Py_DECREF(name);
+    return pool;
+}
+
+/* getattr(obj, name, None), new reference: NULL only with an error other than AttributeError */
+static PyObject *attr_or_none(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v || !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return v;
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+/* int(t.numel()), new reference */
+static PyObject *numel_of(PyObject *t) {
+    PyObject *n = PyObject_CallMethodNoArgs(t, s_numel);
+    if (!n || PyLong_CheckExact(n))
+        return n;
+    PyObject *i = PyNumber_Long(n);
+    Py_DECREF(n);
+    return i;
+}
+
 static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     if (takes("op_tensors", nargs, 7) < 0)
         return NULL;
@@ -1294,19 +1379,7 @@ static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_
         if (!it)
             goto done;
         while ((t = PyIter_Next(it))) {
-            PyObject *name = PyObject_GetAttr(t, s_name), *pool = NULL, *row = NULL;
-            if (name) {
-                PyObject *id = PyLong_FromVoidPtr(name);
-                PyObject *hit = id ? PyDict_GetItemWithError(pool_names, id) : NULL; /* borrowed */
-                Py_XDECREF(id);
-                if (hit && PyTuple_CheckExact(hit) && PyTuple_GET_SIZE(hit) == 2 && PyTuple_GET_ITEM(hit, 0) == name) {
-                    pool = PyTuple_GET_ITEM(hit, 1);
-                    Py_INCREF(pool);
-                } else if (!PyErr_Occurred()) {
-                    pool = PyObject_CallOneArg(pool_name, name);
-                }
-                Py_DECREF(name);
-            }
+            PyObject *pool = transfer_pool(t, pool_names, pool_name), *row = NULL;
             if (pool) {
                 PyObject *h = PyObject_GetAttr(t, s_host_indices);
                 PyObject *d = h ? PyObject_GetAttr(t, s_device_indices) : NULL;
@@ -1344,6 +1417,97 @@ fail:
     Py_CLEAR(out);
 done:
     Py_DECREF(rows);
+    return out;
+}
+
+/* slots_by_pool(op, anchor, pool_names, pool_name) -> ((pool, slots), ...)
+ *   The slots an op moves per pool: the anchor's (its host indices' numel), then, in the
+ *   order of op.pool_transfers, each transfer's pool (named as op_tensors names it) with
+ *   the numel of its host indices, else of its device indices, else 0, a pool's transfers
+ *   summed; a transfer whose indices come from another pool (indices_from_pool) is not
+ *   counted. Run with torch function dispatch off. */
+static PyObject *slots_by_pool(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("slots_by_pool", nargs, 4) < 0)
+        return NULL;
+    PyObject *op = args[0], *anchor = args[1], *pool_names = args[2], *pool_name = args[3];
+    if (!PyDict_Check(pool_names)) {
+        PyErr_SetString(PyExc_TypeError, "slots_by_pool(): pool_names is a dict");
+        return NULL;
+    }
+    PyObject *slots = PyDict_New(), *out = NULL, *transfers = NULL, *it = NULL, *t = NULL;
+    if (!slots)
+        return NULL;
+    PyObject *host = PyObject_GetAttr(op, s_host_indices);
+    PyObject *n = host ? numel_of(host) : NULL;
+    Py_XDECREF(host);
+    int r = n ? PyDict_SetItem(slots, anchor, n) : -1;
+    Py_XDECREF(n);
+    if (r < 0)
+        goto done;
+    transfers = attr_or_none(op, s_pool_transfers);
+    if (!transfers)
+        goto done;
+    int some = PyObject_IsTrue(transfers);
+    if (some < 0)
+        goto done;
+    if (some) {
+        if (!(it = PyObject_GetIter(transfers)))
+            goto done;
+        while ((t = PyIter_Next(it))) {
+            PyObject *from = attr_or_none(t, s_indices_from_pool);
+            if (!from)
+                goto done;
+            Py_DECREF(from);
+            if (from != Py_None) {
+                Py_CLEAR(t);
+                continue;
+            }
+            PyObject *idx = PyObject_GetAttr(t, s_host_indices);
+            if (idx == Py_None) {
+                Py_DECREF(idx);
+                idx = PyObject_GetAttr(t, s_device_indices);
+            }
+            if (!idx)
+                goto done;
+            PyObject *pool = transfer_pool(t, pool_names, pool_name), *count = NULL;
+            PyObject *add = !pool ? NULL : idx == Py_None ? PyLong_FromLong(0) : numel_of(idx);
+            if (add) {
+                PyObject *had = PyDict_GetItemWithError(slots, pool); /* borrowed */
+                if (had)
+                    count = PyNumber_Add(had, add);
+                else if (!PyErr_Occurred())
+                    count = (Py_INCREF(add), add);
+                Py_DECREF(add);
+            }
+            Py_DECREF(idx);
+            r = count ? PyDict_SetItem(slots, pool, count) : -1;
+            Py_XDECREF(count);
+            Py_XDECREF(pool);
+            Py_CLEAR(t);
+            if (r < 0)
+                goto done;
+        }
+        if (PyErr_Occurred())
+            goto done;
+    }
+    out = PyTuple_New(PyDict_GET_SIZE(slots));
+    if (out) {
+        Py_ssize_t pos = 0, i = 0;
+        PyObject *k, *v;
+        while (PyDict_Next(slots, &pos, &k, &v)) {
+            PyObject *pair = PyTuple_Pack(2, k, v);
+            if (!pair) {
+                Py_CLEAR(out);
+                break;
+            }
+            PyTuple_SET_ITEM(out, i++, pair);
+        }
+    }
+done:
+    Py_XDECREF(t);
+    Py_XDECREF(it);
+    Py_XDECREF(transfers);
+    Py_DECREF(slots);
     return out;
 }
 
@@ -1613,6 +1777,275 @@ static PyTypeObject RecordObserverType = {
     .tp_getset = observer_getset,
 };
 
+/* ---------------------------------------------------------------- the copy hook
+ *
+ * CopyHook(original, current, pool, first): what the SGLang adapter puts as a host pool's
+ * copy method (an instance attribute: it does not bind). A call
+ * (device_pool, host_indices, device_indices, ...) outside a submission (current.sub
+ * None), or one whose (pool, id(host_indices), id(device_indices)) is in
+ * current.sub.copied already (a load copies layer by layer with the same index tensors),
+ * is original's as it came; any other call, or one of another shape, is first's, the
+ * adapter's description of the copy (which notes the key in copied and calls original). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *original, *current, *pool, *first;
+    vectorcallfunc vectorcall;
+} CopyHook;
+
+static PyObject *copy_hook_call(CopyHook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (!self->original || !self->current || !self->pool || !self->first) {
+        PyErr_SetString(PyExc_RuntimeError, "CopyHook: cleared by the garbage collector");
+        return NULL;
+    }
+    if (PyVectorcall_NARGS(nargsf) < 3)
+        return PyObject_Vectorcall(self->first, args, nargsf, kwnames);
+    PyObject *sub = PyObject_GetAttr(self->current, s_sub);
+    if (!sub)
+        return NULL;
+    if (sub == Py_None) {
+        Py_DECREF(sub);
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    PyObject *copied = PyObject_GetAttr(sub, s_copied);
+    Py_DECREF(sub);
+    if (!copied)
+        return NULL;
+    PyObject *h = PyLong_FromVoidPtr(args[1]), *d = PyLong_FromVoidPtr(args[2]);
+    PyObject *key = h && d ? PyTuple_Pack(3, self->pool, h, d) : NULL;
+    Py_XDECREF(h);
+    Py_XDECREF(d);
+    int seen = key ? PySequence_Contains(copied, key) : -1;
+    Py_XDECREF(key);
+    Py_DECREF(copied);
+    if (seen < 0)
+        return NULL;
+    return PyObject_Vectorcall(seen ? self->original : self->first, args, nargsf, kwnames);
+}
+
+static PyObject *copy_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *original, *current, *pool, *first;
+    static char *kw[] = {"original", "current", "pool", "first", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:CopyHook", kw, &original, &current, &pool, &first))
+        return NULL;
+    if (!PyCallable_Check(original) || !PyCallable_Check(first)) {
+        PyErr_Format(PyExc_TypeError, "CopyHook(): original (the pool's copy) and first are callables, got %R and %R",
+                     original, first);
+        return NULL;
+    }
+    CopyHook *self = (CopyHook *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->original = Py_NewRef(original);
+    self->current = Py_NewRef(current);
+    self->pool = Py_NewRef(pool);
+    self->first = Py_NewRef(first);
+    self->vectorcall = (vectorcallfunc)copy_hook_call;
+    return (PyObject *)self;
+}
+
+static int copy_hook_traverse(CopyHook *self, visitproc visit, void *arg) {
+    Py_VISIT(self->original);
+    Py_VISIT(self->current);
+    Py_VISIT(self->pool);
+    Py_VISIT(self->first);
+    return 0;
+}
+
+static int copy_hook_clear(CopyHook *self) {
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->current);
+    Py_CLEAR(self->pool);
+    Py_CLEAR(self->first);
+    return 0;
+}
+
+static void copy_hook_dealloc(CopyHook *self) {
+    PyObject_GC_UnTrack(self);
+    copy_hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *copy_hook_wrapped(CopyHook *self, void *Py_UNUSED(c)) {
+    if (!self->original) {
+        PyErr_SetString(PyExc_RuntimeError, "CopyHook: cleared by the garbage collector");
+        return NULL;
+    }
+    return Py_NewRef(self->original);
+}
+
+static PyGetSetDef copy_hook_getset[] = {
+    {"__wrapped__", (getter)copy_hook_wrapped, NULL, "the pool's copy method", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CopyHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.CopyHook",
+    .tp_basicsize = sizeof(CopyHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(CopyHook, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = copy_hook_new,
+    .tp_dealloc = (destructor)copy_hook_dealloc,
+    .tp_traverse = (traverseproc)copy_hook_traverse,
+    .tp_clear = (inquiry)copy_hook_clear,
+    .tp_getset = copy_hook_getset,
+};
+
+static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("copy_hook", nargs, 4) < 0)
+        return NULL;
+    return PyObject_CallFunctionObjArgs((PyObject *)&CopyHookType, args[0], args[1], args[2], args[3], NULL);
+}
+
+/* ---------------------------------------------------------------- the conversion observer
+ *
+ * ConversionObserver(method, src, role, watch, tensor_type): what the SGLang adapter's
+ * conversion watch puts as src.to / src.cuda (an instance attribute: it does not bind) for
+ * the length of one copy call. A call is method(src, ...) as it came; where that returned a
+ * tensor_type other than src, on the watch's thread (watch.thread, a thread ident), for a
+ * role not in watch.known, watch.describe(src, out, role) describes it. The call returns what
+ * method returned. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *method, *src, *role, *watch, *tensor_type;
+    vectorcallfunc vectorcall;
+} ConversionObserver;
+
+static PyObject *conversion_call(ConversionObserver *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (!self->method || !self->src || !self->role || !self->watch || !self->tensor_type) {
+        PyErr_SetString(PyExc_RuntimeError, "ConversionObserver: cleared by the garbage collector");
+        return NULL;
+    }
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *small[8], **full = small;
+    if (nargs + nkw + 1 > 8 && !(full = PyMem_Malloc((nargs + nkw + 1) * sizeof(PyObject *))))
+        return PyErr_NoMemory();
+    full[0] = self->src;
+    for (Py_ssize_t i = 0; i < nargs + nkw; i++)
+        full[i + 1] = args[i];
+    PyObject *src = Py_NewRef(self->src), *role = Py_NewRef(self->role), *watch = Py_NewRef(self->watch);
+    PyObject *out = PyObject_Vectorcall(self->method, full, nargs + 1, kwnames);
+    if (full != small)
+        PyMem_Free(full);
+    if (!out || out == src)
+        goto done;
+    int is = PyObject_IsInstance(out, self->tensor_type);
+    if (is <= 0) {
+        if (is < 0)
+            Py_CLEAR(out);
+        goto done;
+    }
+    PyObject *thread = PyObject_GetAttr(watch, s_thread);
+    if (!thread) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    unsigned long ident = PyLong_AsUnsignedLong(thread);
+    Py_DECREF(thread);
+    if (ident == (unsigned long)-1 && PyErr_Occurred()) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    if (ident != PyThread_get_thread_ident())
+        goto done;
+    PyObject *known = PyObject_GetAttr(watch, s_known);
+    int seen = known ? PySequence_Contains(known, role) : -1;
+    Py_XDECREF(known);
+    if (seen) {
+        if (seen < 0)
+            Py_CLEAR(out);
+        goto done;
+    }
+    PyObject *r = PyObject_CallMethodObjArgs(watch, s_describe, src, out, role, NULL);
+    if (!r)
+        Py_CLEAR(out);
+    Py_XDECREF(r);
+done:
+    Py_DECREF(src);
+    Py_DECREF(role);
+    Py_DECREF(watch);
+    return out;
+}
+
+static PyObject *conversion_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *method, *src, *role, *watch, *tensor_type;
+    static char *kw[] = {"method", "src", "role", "watch", "tensor_type", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO:ConversionObserver", kw, &method, &src, &role, &watch,
+                                     &tensor_type))
+        return NULL;
+    if (!PyCallable_Check(method)) {
+        PyErr_Format(PyExc_TypeError, "ConversionObserver(): method is torch.Tensor's to or cuda, got %R", method);
+        return NULL;
+    }
+    ConversionObserver *self = (ConversionObserver *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->method = Py_NewRef(method);
+    self->src = Py_NewRef(src);
+    self->role = Py_NewRef(role);
+    self->watch = Py_NewRef(watch);
+    self->tensor_type = Py_NewRef(tensor_type);
+    self->vectorcall = (vectorcallfunc)conversion_call;
+    return (PyObject *)self;
+}
+
+static int conversion_traverse(ConversionObserver *self, visitproc visit, void *arg) {
+    Py_VISIT(self->method);
+    Py_VISIT(self->src);
+    Py_VISIT(self->role);
+    Py_VISIT(self->watch);
+    Py_VISIT(self->tensor_type);
+    return 0;
+}
+
+static int conversion_clear(ConversionObserver *self) {
+    Py_CLEAR(self->method);
+    Py_CLEAR(self->src);
+    Py_CLEAR(self->role);
+    Py_CLEAR(self->watch);
+    Py_CLEAR(self->tensor_type);
+    return 0;
+}
+
+static void conversion_dealloc(ConversionObserver *self) {
+    PyObject_GC_UnTrack(self);
+    conversion_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *conversion_wrapped(ConversionObserver *self, void *Py_UNUSED(c)) {
+    if (!self->method) {
+        PyErr_SetString(PyExc_RuntimeError, "ConversionObserver: cleared by the garbage collector");
+        return NULL;
+    }
+    return Py_NewRef(self->method);
+}
+
+static PyGetSetDef conversion_getset[] = {
+    {"__wrapped__", (getter)conversion_wrapped, NULL, "torch.Tensor's method", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ConversionObserverType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.ConversionObserver",
+    .tp_basicsize = sizeof(ConversionObserver),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(ConversionObserver, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = conversion_new,
+    .tp_dealloc = (destructor)conversion_dealloc,
+    .tp_traverse = (traverseproc)conversion_traverse,
+    .tp_clear = (inquiry)conversion_clear,
+    .tp_getset = conversion_getset,
+};
+
+static PyObject *conversion_observer(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("conversion_observer", nargs, 5) < 0)
+        return NULL;
+    return PyObject_CallFunctionObjArgs((PyObject *)&ConversionObserverType, args[0], args[1], args[2], args[3],
+                                        args[4], NULL);
+}
+
 static PyObject *recording(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
     return PyBool_FromLong(recording_here);
 }
@@ -1646,6 +2079,23 @@ static PyMethodDef module_methods[] = {
      "this thread is not inside a record already."},
     {"recording", recording, METH_NOARGS,
      "recording()\n--\n\nWhether this thread is inside a record a record observer is making."},
+    {"meta_ref", (PyCFunction)(void (*)(void))meta_ref, METH_FASTCALL,
+     "meta_ref(t, pool, role, ref_type, names, slow, /)\n--\n\nt's TensorRef without its values, as use_refs makes "
+     "it (uncached); slow(t, pool, role) describes what the fast reads do not."},
+    {"device_of", (PyCFunction)(void (*)(void))device_name_of, METH_FASTCALL,
+     "device_of(t, names, slow, /)\n--\n\nt's device name as device_name gives it; slow(t) names what the fast "
+     "reads do not."},
+    {"copy_hook", (PyCFunction)(void (*)(void))copy_hook, METH_FASTCALL,
+     "copy_hook(original, current, pool, first, /)\n--\n\nWhat the SGLang adapter puts as a host pool's copy: "
+     "original's call outside a submission or for index tensors the submission's copies had already (its "
+     "copied), else first's."},
+    {"conversion_observer", (PyCFunction)(void (*)(void))conversion_observer, METH_FASTCALL,
+     "conversion_observer(method, src, role, watch, tensor_type, /)\n--\n\nWhat the SGLang adapter's conversion "
+     "watch puts as src.to / src.cuda: method(src, ...), described by watch.describe(src, out, role) where it gave "
+     "another tensor on the watch's thread for a role not in watch.known."},
+    {"slots_by_pool", (PyCFunction)(void (*)(void))slots_by_pool, METH_FASTCALL,
+     "slots_by_pool(op, anchor, pool_names, pool_name, /)\n--\n\n((pool, slots), ...) an op moves: the anchor's "
+     "host indices, then each transfer's pool (not those whose indices come from another pool)."},
     {"op_tensors", (PyCFunction)(void (*)(void))op_tensors, METH_FASTCALL,
      "op_tensors(host, device, transfers, anchor, tensor_type, pool_names, pool_name, /)\n--\n\n{(pool, role): "
      "tensor} of an op: the anchor's host and device indices and each transfer's, where they are tensors."},
@@ -1710,7 +2160,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {
-    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0 || adapter_strings() < 0)
+    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0 || PyType_Ready(&CopyHookType) < 0 ||
+        PyType_Ready(&ConversionObserverType) < 0 ||
+        adapter_strings() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
@@ -1724,6 +2176,12 @@ PyMODINIT_FUNC PyInit__slots(void) {
     Py_INCREF(&RecordObserverType);
     if (PyModule_AddObject(m, "RecordObserver", (PyObject *)&RecordObserverType) < 0) {
         Py_DECREF(&RecordObserverType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&CopyHookType);
+    if (PyModule_AddObject(m, "CopyHook", (PyObject *)&CopyHookType) < 0) {
+        Py_DECREF(&CopyHookType);
         Py_DECREF(m);
         return NULL;
     }

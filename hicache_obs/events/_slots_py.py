@@ -25,7 +25,12 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   tensors itself; here ``slow`` describes every one).
 - ``op_tensors`` / ``device_changes``: an op's index tensors by ``(pool, role)``, and those
   an op-level move put on another device (the SGLang adapter's move hook); ``received``:
-  the index tensors a copy received (its copy hook).
+  the index tensors a copy received (its copy hook); ``slots_by_pool``: the slots an op
+  moves per pool; ``meta_ref`` / ``device_of``: one tensor's description or device name
+  (``slow``'s here, as in ``use_refs``).
+- ``copy_hook`` / ``conversion_observer``: what the SGLang adapter puts as a host pool's
+  copy method, and as ``.to`` / ``.cuda`` of the index tensors a copy received (functions
+  here; types in C).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
 
@@ -761,6 +766,14 @@ def record_observer(original: Any, current: Any, /) -> Any:
     return record_stream
 
 
+def _transfer_pool(t: Any, pool_names: dict[int, Any], pool_name: Any) -> Any:
+    """The text of a transfer's pool (``t.name``): ``pool_names[id(name)] = (name, text)`` where
+    that entry holds this name object, else ``pool_name(name)``."""
+    name = t.name
+    hit = pool_names.get(id(name))
+    return hit[1] if type(hit) is tuple and len(hit) == 2 and hit[0] is name else pool_name(name)
+
+
 def op_tensors(
     host: Any, device: Any, transfers: Any, anchor: Any, tensor_type: Any, pool_names: Any, pool_name: Any, /
 ) -> dict[tuple[Any, str], Any]:
@@ -773,10 +786,7 @@ def op_tensors(
         raise TypeError("op_tensors(): pool_names is a dict")
     rows = [(anchor, host, device)]
     for t in transfers or ():
-        name = t.name
-        hit = pool_names.get(id(name))
-        pool = hit[1] if type(hit) is tuple and len(hit) == 2 and hit[0] is name else pool_name(name)
-        rows.append((pool, t.host_indices, t.device_indices))
+        rows.append((_transfer_pool(t, pool_names, pool_name), t.host_indices, t.device_indices))
     out: dict[tuple[Any, str], Any] = {}
     for pool, h, d in rows:
         if isinstance(h, tensor_type):
@@ -821,3 +831,94 @@ def received(uses: Any, pool: Any, host: Any, device: Any, tensor_type: Any, /) 
             if not t.is_cuda:
                 watched[id(t)] = (role, t)
     return watched
+
+
+def _names_ok(fn: str, names: Any) -> None:
+    if not (isinstance(names, tuple) and len(names) == 3 and isinstance(names[0], dict) and isinstance(names[1], dict)):
+        raise TypeError(f"{fn}(): names is (dtype names dict, device names dict, device class)")
+
+
+def meta_ref(t: Any, pool: Any, role: Any, ref_type: Any, names: Any, slow: Any, /) -> Any:
+    """``t``'s ``TensorRef`` without its values, as :func:`use_refs` makes it (uncached):
+    ``slow(t, pool, role)`` here (``ref_type`` and ``names`` are what the C module reads the
+    common tensors with)."""
+    _names_ok("meta_ref", names)
+    if not callable(ref_type) or not callable(slow):
+        raise TypeError("meta_ref(): ref_type (the TensorRef class) and slow are callables")
+    return slow(t, pool, role)
+
+
+def device_of(t: Any, names: Any, slow: Any, /) -> Any:
+    """``t``'s device name: ``slow(t)`` here (``device_name``; ``names`` is what the C module
+    reads the common tensors with)."""
+    _names_ok("device_of", names)
+    if not callable(slow):
+        raise TypeError("device_of(): slow is a callable")
+    return slow(t)
+
+
+def copy_hook(original: Any, current: Any, pool: Any, first: Any, /) -> Any:
+    """What the SGLang adapter puts as a host pool's copy method: a call ``(device_pool,
+    host_indices, device_indices, ...)`` outside a submission (``current.sub`` None), or one
+    whose ``(pool, id(host_indices), id(device_indices))`` is in ``current.sub.copied``
+    already, is ``original``'s; any other call, or one of another shape, is ``first``'s."""
+    if not callable(original) or not callable(first):
+        raise TypeError(
+            f"CopyHook(): original (the pool's copy) and first are callables, got {original!r} and {first!r}"
+        )
+
+    def copy(*args: Any, **kwargs: Any) -> Any:
+        if len(args) < 3:
+            return first(*args, **kwargs)
+        sub = current.sub
+        if sub is None or (pool, id(args[1]), id(args[2])) in sub.copied:
+            return original(*args, **kwargs)
+        return first(*args, **kwargs)
+
+    copy.__wrapped__ = original  # type: ignore[attr-defined]
+    return copy
+
+
+def slots_by_pool(op: Any, anchor: Any, pool_names: Any, pool_name: Any, /) -> tuple[tuple[Any, int], ...]:
+    """``((pool, slots), ...)`` an op moves: the anchor's (its host indices' ``numel``), then,
+    in the order of ``op.pool_transfers``, each transfer's pool (named as :func:`op_tensors`
+    names it) with the ``numel`` of its host indices, else of its device indices, else 0, a
+    pool's transfers summed; a transfer whose indices come from another pool
+    (``indices_from_pool``) is not counted. Run with torch function dispatch off."""
+    if not isinstance(pool_names, dict):
+        raise TypeError("slots_by_pool(): pool_names is a dict")
+    slots = {anchor: int(op.host_indices.numel())}
+    transfers = getattr(op, "pool_transfers", None)
+    if transfers:
+        for t in transfers:
+            if getattr(t, "indices_from_pool", None) is not None:
+                continue
+            idx = t.host_indices
+            if idx is None:
+                idx = t.device_indices
+            name = _transfer_pool(t, pool_names, pool_name)
+            slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
+    return tuple(slots.items())
+
+
+def conversion_observer(method: Any, src: Any, role: Any, watch: Any, tensor_type: Any, /) -> Any:
+    """What the SGLang adapter's conversion watch puts as ``src.to`` / ``src.cuda`` for the
+    length of one copy call: ``method(src, ...)`` as it came; where that returned a
+    ``tensor_type`` other than ``src``, on the watch's thread (``watch.thread``), for a role
+    not in ``watch.known``, ``watch.describe(src, out, role)`` describes it."""
+    if not callable(method):
+        raise TypeError(f"ConversionObserver(): method is torch.Tensor's to or cuda, got {method!r}")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = method(src, *args, **kwargs)
+        if (
+            out is not src
+            and isinstance(out, tensor_type)
+            and watch.thread == threading.get_ident()
+            and role not in watch.known
+        ):
+            watch.describe(src, out, role)
+        return out
+
+    call.__wrapped__ = method  # type: ignore[attr-defined]
+    return call

@@ -12,6 +12,7 @@ tensor, whichever way it read it.
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -270,3 +271,175 @@ def test_a_cached_none_is_described_again(impl: Any) -> None:
     with facts.NO_TORCH_FUNCTION():
         got = impl.use_refs({("kv", "host"): t}, cache, TensorRef, facts.META_NAMES, facts.tensor_meta)
         assert got == [facts.tensor_meta(t, "kv", "host")] == [cache[(id(t), "kv", "host")]]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(t=_tensor())
+def test_meta_ref_and_device_of_give_what_the_pure_descriptions_give(impl: Any, t: Any) -> None:
+    with facts.NO_TORCH_FUNCTION():
+        assert impl.meta_ref(t, "kv", "device", TensorRef, facts.META_NAMES, facts.tensor_meta) == facts.tensor_meta(
+            t, "kv", "device"
+        )
+        assert impl.device_of(t, facts.META_NAMES, facts.device_name) == facts.device_name(t)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_meta_ref_and_device_of_name_bad_arguments(impl: Any) -> None:
+    t = torch.arange(3)
+    cases = [
+        (impl.meta_ref, (t, "kv", "host", TensorRef, ({}, {}), facts.tensor_meta), "names is"),
+        (impl.meta_ref, (t, "kv", "host", None, facts.META_NAMES, facts.tensor_meta), "are callables"),
+        (impl.device_of, (t, facts.META_NAMES, None), "slow is a callable"),
+        (impl.device_of, (t, None, facts.device_name), "names is"),
+    ]
+    for fn, args, text in cases:
+        with pytest.raises(TypeError, match=text):
+            fn(*args)
+
+
+@st.composite
+def _queued_op(draw: Any) -> Any:
+    def indices() -> Any:
+        return draw(st.one_of(st.none(), st.integers(0, 9).map(torch.arange), st.integers(0, 9).map(
+            lambda n: torch.arange(n).as_subclass(_OnDevice))))
+
+    names = [_Name("mamba"), _Name("swa"), _Name("mamba")]
+    transfers = []
+    for _ in range(draw(st.integers(0, 4))):
+        fields = {"name": draw(st.sampled_from(names)), "host_indices": indices(), "device_indices": indices()}
+        how = draw(st.sampled_from(["own", "own", "from_pool", "from_none"]))
+        if how == "from_pool":
+            fields["indices_from_pool"] = "kv"  # indices shared with another pool: not counted
+        elif how == "from_none":
+            fields["indices_from_pool"] = None
+        transfers.append(SimpleNamespace(**fields))
+    op = {"host_indices": torch.arange(draw(st.integers(0, 9)))}
+    which = draw(st.sampled_from(["list", "none", "empty", "absent"]))
+    if which != "absent":
+        op["pool_transfers"] = {"list": transfers, "none": None, "empty": []}[which]
+    return SimpleNamespace(**op)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(op=_queued_op())
+def test_slots_by_pool_counts_each_pools_slots(impl: Any, op: Any) -> None:
+    cached = {id(n): (n, "mamba") for n in {t.name for t in getattr(op, "pool_transfers", None) or ()}
+              if n.value == "mamba"}  # fmt: skip
+    with facts.NO_TORCH_FUNCTION():
+        got = impl.slots_by_pool(op, "kv", cached, _pool_name)
+    want: dict[str, int] = {"kv": op.host_indices.numel()}
+    for t in getattr(op, "pool_transfers", None) or ():
+        if getattr(t, "indices_from_pool", None) is not None:
+            continue
+        idx = t.host_indices if t.host_indices is not None else t.device_indices
+        pool = "mamba" if t.name.value == "mamba" else _pool_name(t.name)
+        want[pool] = want.get(pool, 0) + (idx.numel() if idx is not None else 0)
+    assert got == tuple(want.items())
+    assert all(type(n) is int for _, n in got)
+
+
+def test_slots_by_pool_names_what_it_cannot_read() -> None:
+    for impl in (c_slots, py_slots):
+        with pytest.raises(AttributeError, match="host_indices"):
+            impl.slots_by_pool(SimpleNamespace(), "kv", {}, _pool_name)
+        broken = SimpleNamespace(host_indices=torch.arange(2), pool_transfers=[SimpleNamespace(name=_Name("swa"))])
+        with pytest.raises(AttributeError, match="host_indices"):
+            impl.slots_by_pool(broken, "kv", {}, _pool_name)
+        with pytest.raises(TypeError, match="pool_names is a dict"):
+            impl.slots_by_pool(broken, "kv", [], _pool_name)
+
+
+class _Current:
+    sub: Any = None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_copy_hook_passes_through_what_the_submission_has_seen(impl: Any) -> None:
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def original(*args: Any, **kwargs: Any) -> str:
+        calls.append(("original", args, kwargs))
+        return "copied"
+
+    def first(*args: Any, **kwargs: Any) -> str:
+        calls.append(("first", args, kwargs))
+        if len(args) >= 3:
+            current.sub.copied.add(("kv", id(args[1]), id(args[2])))
+        return "described"
+
+    current = _Current()
+    hook = impl.copy_hook(original, current, "kv", first)
+    assert hook.__wrapped__ is original
+    pool, h, d = object(), torch.arange(2), torch.arange(2)
+    assert hook(pool, h, d, 3, layer_id=0) == "copied"  # outside a submission
+    current.sub = SimpleNamespace(copied=set())
+    assert hook(pool, h, d, 3, layer_id=0) == "described"  # the submission's first copy of these tensors
+    assert hook(pool, h, d, 3, layer_id=1) == "copied"  # the next layer's
+    assert hook(pool, d, h, layer_id=2) == "described"  # other tensors
+    assert hook(pool, h, device_indices=d) == "described"  # another shape: first's to read
+    assert [c[0] for c in calls] == ["original", "first", "original", "first", "first"]
+    assert calls[0] == ("original", (pool, h, d, 3), {"layer_id": 0})
+    assert calls[2] == ("original", (pool, h, d, 3), {"layer_id": 1})
+    assert calls[4] == ("first", (pool, h), {"device_indices": d})
+    with pytest.raises(TypeError, match="are callables"):
+        impl.copy_hook(None, current, "kv", first)
+    current.sub = SimpleNamespace()  # a submission without copied: its error, not a wrong pass-through
+    with pytest.raises(AttributeError, match="copied"):
+        hook(pool, h, d)
+
+
+class _Watch:
+    """What a conversion observer reads of its watch: its thread, the roles it knows, ``describe``."""
+
+    def __init__(self, known: set[str]) -> None:
+        self.thread = threading.get_ident()
+        self.known = known
+        self.described: list[tuple[Any, Any, str]] = []
+
+    def describe(self, src: Any, out: Any, role: str) -> None:
+        self.described.append((src, out, role))
+        self.known.add(role)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_conversion_observer_describes_a_new_tensor_once_on_the_watchs_thread(impl: Any) -> None:
+    src = torch.arange(4)
+    watch = _Watch(set())
+    to = impl.conversion_observer(torch.Tensor.to, src, "host", watch, torch.Tensor)
+    assert to.__wrapped__ is torch.Tensor.to
+    assert to(torch.int64) is src and watch.described == []  # the same tensor back: no move
+    out = to("meta", non_blocking=True)
+    assert out.device.type == "meta" and watch.described == [(src, out, "host")]
+    again = to("meta")  # the role is known now
+    assert again.device.type == "meta" and len(watch.described) == 1
+    other = _Watch(set())
+    elsewhere = impl.conversion_observer(torch.Tensor.to, src, "host", other, torch.Tensor)
+    got: list[Any] = []
+    th = threading.Thread(target=lambda: got.append(elsewhere("meta")))
+    th.start()
+    th.join()
+    assert got[0].device.type == "meta" and other.described == []  # another thread's call
+    not_a_tensor = impl.conversion_observer(lambda t, *a: [t, a], src, "host", _Watch(set()), torch.Tensor)
+    assert not_a_tensor(1, 2, 3, 4, 5, 6, 7, 8, 9) == [src, (1, 2, 3, 4, 5, 6, 7, 8, 9)]  # more than 8 arguments
+    with pytest.raises(TypeError, match="method is torch\\.Tensor's to or cuda"):
+        impl.conversion_observer(None, src, "host", watch, torch.Tensor)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_conversion_observer_raises_what_the_method_or_the_description_raised(impl: Any) -> None:
+    src = torch.arange(4)
+
+    def broken(t: Any, *a: Any) -> Any:
+        raise RuntimeError("the conversion failed")
+
+    with pytest.raises(RuntimeError, match="the conversion failed"):
+        impl.conversion_observer(broken, src, "host", _Watch(set()), torch.Tensor)("meta")
+
+    class Failing(_Watch):
+        def describe(self, src: Any, out: Any, role: str) -> None:
+            raise ValueError("no description")
+
+    with pytest.raises(ValueError, match="no description"):
+        impl.conversion_observer(torch.Tensor.to, src, "host", Failing(set()), torch.Tensor)("meta")

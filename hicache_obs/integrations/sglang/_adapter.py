@@ -54,7 +54,19 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..._native import device_changes, op_tensors, received, recorded, runs_of, use_refs
+from ..._native import (
+    conversion_observer,
+    copy_hook,
+    device_changes,
+    device_of,
+    meta_ref,
+    op_tensors,
+    received,
+    recorded,
+    runs_of,
+    slots_by_pool,
+    use_refs,
+)
 from ..._profiles import Profile, Sampler, resolve_profile
 from ...core._spec import ANCHOR
 from ...errors import IntegrationError
@@ -96,6 +108,7 @@ _registry_lock = threading.Lock()
 #: id(name) -> (name, its string): SGLang names pools by enum members, whose ``value`` is a
 #: Python-level descriptor; each op reads the names of its pool transfers twice or more
 _POOL_NAMES: dict[int, tuple[Any, str]] = {}
+_NAMES = facts.META_NAMES
 
 
 def _pool_name(name: Any) -> str:
@@ -212,36 +225,26 @@ class _ConversionWatch:
         self.known = set(known)
         self._failed = failed
         self.moves: list[tuple[str, str, str, TensorRef]] = []
-        self._thread = threading.get_ident()
+        self.thread = threading.get_ident()
         self._placed: list[tuple[torch.Tensor, str]] = []
 
-    def _observer(self, src: torch.Tensor, role: str, name: str) -> Callable[..., Any]:
-        method = getattr(torch.Tensor, name)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            out = method(src, *args, **kwargs)
-            if (
-                role not in self.known
-                and threading.get_ident() == self._thread
-                and isinstance(out, torch.Tensor)
-                and out is not src
-            ):
-                try:
-                    with NO_TORCH_FUNCTION():
-                        before, after = device_name(src), device_name(out)
-                        if after != before:
-                            ref = (
-                                tensor_ref(out, self.pool, role, after)
-                                if self.values
-                                else tensor_meta(out, self.pool, role)
-                            )
-                            self.moves.append((role, before, after, ref))
-                            self.known.add(role)
-                except Exception:
-                    self._failed("describe an index tensor a copy moved")
-            return out
-
-        return call
+    def describe(self, src: torch.Tensor, out: torch.Tensor, role: str) -> None:
+        """``src.to()``/``src.cuda()`` returned ``out`` (another tensor, on this thread, for a
+        role not known yet: :func:`~hicache_obs._native.conversion_observer` checked): kept
+        where it is on another device, its description made here."""
+        try:
+            with NO_TORCH_FUNCTION():
+                before, after = device_of(src, _NAMES, device_name), device_of(out, _NAMES, device_name)
+                if after != before:
+                    ref = (
+                        tensor_ref(out, self.pool, role, after)
+                        if self.values
+                        else meta_ref(out, self.pool, role, TensorRef, _NAMES, tensor_meta)
+                    )
+                    self.moves.append((role, before, after, ref))
+                    self.known.add(role)
+        except Exception:
+            self._failed("describe an index tensor a copy moved")
 
     def __enter__(self) -> _ConversionWatch:
         for role, t in self.watched.values():
@@ -250,7 +253,7 @@ class _ConversionWatch:
                 continue
             for name in self._METHODS:
                 if name not in d:  # never over something already there
-                    d[name] = self._observer(t, role, name)
+                    d[name] = conversion_observer(getattr(torch.Tensor, name), t, role, self, torch.Tensor)
                     self._placed.append((t, name))
         return self
 
@@ -298,7 +301,9 @@ class _Submission:
         key = (id(t), pool, role)
         got = self.refs.get(key)
         if got is None:
-            got = self.refs[key] = tensor_ref(t, pool, role) if self.sampled else tensor_meta(t, pool, role)
+            got = self.refs[key] = (
+                tensor_ref(t, pool, role) if self.sampled else meta_ref(t, pool, role, TensorRef, _NAMES, tensor_meta)
+            )
         return got
 
 
@@ -1398,7 +1403,8 @@ class Instrumentation:
                 return out
 
             copy.__wrapped__ = original  # type: ignore[attr-defined]
-            return copy
+            # outside a submission, and for each layer after the first, original's call at once
+            return copy_hook(original, current, pool, copy)
 
         return make
 
@@ -1540,21 +1546,10 @@ class Instrumentation:
         """``{(pool, role): tensor}`` of an op (:func:`~hicache_obs._native.op_tensors`)."""
         return op_tensors(host, device, transfers, ANCHOR, torch.Tensor, _POOL_NAMES, _pool_name)
 
-    def _slots_by_pool(self, op: Any) -> tuple[tuple[str, int], ...]:
-        slots = {ANCHOR: int(op.host_indices.numel())}
-        transfers = getattr(op, "pool_transfers", None)
-        if not transfers:
-            return tuple(slots.items())
-        names = _POOL_NAMES
-        for t in transfers:
-            if getattr(t, "indices_from_pool", None) is not None:
-                continue
-            idx = t.host_indices if t.host_indices is not None else t.device_indices
-            key = t.name
-            hit = names.get(id(key))
-            name = hit[1] if hit is not None and hit[0] is key else _pool_name(key)
-            slots[name] = slots.get(name, 0) + (int(idx.numel()) if idx is not None else 0)
-        return tuple(slots.items())
+    @staticmethod
+    def _slots_by_pool(op: Any) -> tuple[tuple[str, int], ...]:
+        """``((pool, slots), ...)`` an op moves (:func:`~hicache_obs._native.slots_by_pool`)."""
+        return slots_by_pool(op, ANCHOR, _POOL_NAMES, _pool_name)  # type: ignore[no-any-return]
 
     def _queued_at_append(self, op: Any) -> None:
         """A queue's append under ``metrics`` and ``sampling``: when, for the submission's event."""
