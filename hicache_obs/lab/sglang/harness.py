@@ -75,15 +75,15 @@ _state: dict[str, Any] = {}
 
 # ------------------------------------------------------------------ CUDA stand-in
 class CudaStandIn(torch.Tensor):
-    """A CPU tensor standing in for a CUDA index tensor."""
+    """A CPU tensor standing in for a CUDA index tensor.
 
-    @property
-    def is_cuda(self) -> bool:  # type: ignore[override]
-        return True
+    It reports its device through plain class attributes, which a read finds without a
+    Python call, as a CUDA tensor's ``is_cuda`` and ``device`` are read in C: a property
+    here would make each read of them (SGLang's and the adapter's) cost many times what it
+    costs on a GPU."""
 
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return _CUDA
+    is_cuda = True  # type: ignore[assignment]
+    device = _CUDA  # type: ignore[assignment]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def,override]
