@@ -1457,8 +1457,9 @@ static PyObject *slots_by_pool(PyObject *Py_UNUSED(mod), PyObject *const *args, 
             PyObject *from = attr_or_none(t, s_indices_from_pool);
             if (!from)
                 goto done;
+            int shared = from != Py_None;
             Py_DECREF(from);
-            if (from != Py_None) {
+            if (shared) {
                 Py_CLEAR(t);
                 continue;
             }
