@@ -1778,41 +1778,109 @@ static PyTypeObject RecordObserverType = {
     .tp_getset = observer_getset,
 };
 
-/* ---------------------------------------------------------------- the copy hook
+/* ---------------------------------------------------------------- hooks
  *
- * CopyHook(original, current, pool, first): what the SGLang adapter puts as a host pool's
- * copy method (an instance attribute: it does not bind). A call
- * (device_pool, host_indices, device_indices, ...) outside a submission (current.sub
- * None), or one whose (pool, id(host_indices), id(device_indices)) is in
- * current.sub.copied already (a load copies layer by layer with the same index tensors),
- * is original's as it came; any other call, or one of another shape, is first's, the
- * adapter's description of the copy (which notes the key in copied and calls original). */
+ * CopyHook and ConversionObserver share one layout: a vectorcall and the objects it holds,
+ * refs[0] the callable it stands in for (its __wrapped__). Neither binds: each is put as an
+ * instance attribute. */
+#define HOOK_REFS 5
+
 typedef struct {
     PyObject_HEAD
-    PyObject *original, *current, *pool, *first;
     vectorcallfunc vectorcall;
-} CopyHook;
+    Py_ssize_t n; /* refs in use */
+    PyObject *refs[HOOK_REFS];
+} Hook;
 
-static PyObject *copy_hook_call(CopyHook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (!self->original || !self->current || !self->pool || !self->first) {
-        PyErr_SetString(PyExc_RuntimeError, "CopyHook: cleared by the garbage collector");
+/* 0 where every ref is held; -1 with an error where the garbage collector cleared them */
+static int hook_alive(Hook *self) {
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        if (!self->refs[i]) {
+            PyErr_Format(PyExc_RuntimeError, "%s: cleared by the garbage collector", Py_TYPE(self)->tp_name);
+            return -1;
+        }
+    return 0;
+}
+
+static PyObject *hook_new(PyTypeObject *type, vectorcallfunc call, Py_ssize_t n, PyObject *const *refs) {
+    Hook *self = (Hook *)type->tp_alloc(type, 0);
+    if (!self)
         return NULL;
+    self->n = n;
+    for (Py_ssize_t i = 0; i < n; i++)
+        self->refs[i] = Py_NewRef(refs[i]);
+    self->vectorcall = call;
+    return (PyObject *)self;
+}
+
+static int hook_traverse(Hook *self, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        Py_VISIT(self->refs[i]);
+    return 0;
+}
+
+static int hook_clear(Hook *self) {
+    for (Py_ssize_t i = 0; i < self->n; i++)
+        Py_CLEAR(self->refs[i]);
+    return 0;
+}
+
+static void hook_dealloc(Hook *self) {
+    PyObject_GC_UnTrack(self);
+    hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *hook_wrapped(Hook *self, void *Py_UNUSED(c)) {
+    if (hook_alive(self) < 0)
+        return NULL;
+    return Py_NewRef(self->refs[0]);
+}
+
+static PyGetSetDef hook_getset[] = {
+    {"__wrapped__", (getter)hook_wrapped, NULL, "the callable the hook stands in for", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+#define HOOK_TYPE(c_name, py_name, new_fn)                                                                       \
+    static PyTypeObject c_name = {                                                                               \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
+        .tp_basicsize = sizeof(Hook),                                                                            \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,                        \
+        .tp_vectorcall_offset = offsetof(Hook, vectorcall),                                                      \
+        .tp_call = PyVectorcall_Call,                                                                            \
+        .tp_new = new_fn,                                                                                        \
+        .tp_dealloc = (destructor)hook_dealloc,                                                                  \
+        .tp_traverse = (traverseproc)hook_traverse,                                                              \
+        .tp_clear = (inquiry)hook_clear,                                                                         \
+        .tp_getset = hook_getset,                                                                                \
     }
+
+/* CopyHook(original, current, pool, first): what the SGLang adapter puts as a host pool's
+ * copy method. A call (device_pool, host_indices, device_indices, ...) outside a
+ * submission (current.sub None), or one whose (pool, id(host_indices), id(device_indices))
+ * is in current.sub.copied already (a load copies layer by layer with the same index
+ * tensors), is original's as it came; any other call, or one of another shape, is first's,
+ * the adapter's description of the copy (which notes the key in copied and calls original). */
+static PyObject *copy_hook_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *original = self->refs[0], *current = self->refs[1], *pool = self->refs[2], *first = self->refs[3];
     if (PyVectorcall_NARGS(nargsf) < 3)
-        return PyObject_Vectorcall(self->first, args, nargsf, kwnames);
-    PyObject *sub = PyObject_GetAttr(self->current, s_sub);
+        return PyObject_Vectorcall(first, args, nargsf, kwnames);
+    PyObject *sub = PyObject_GetAttr(current, s_sub);
     if (!sub)
         return NULL;
     if (sub == Py_None) {
         Py_DECREF(sub);
-        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
     }
     PyObject *copied = PyObject_GetAttr(sub, s_copied);
     Py_DECREF(sub);
     if (!copied)
         return NULL;
     PyObject *h = PyLong_FromVoidPtr(args[1]), *d = PyLong_FromVoidPtr(args[2]);
-    PyObject *key = h && d ? PyTuple_Pack(3, self->pool, h, d) : NULL;
+    PyObject *key = h && d ? PyTuple_Pack(3, pool, h, d) : NULL;
     Py_XDECREF(h);
     Py_XDECREF(d);
     int seen = key ? PySequence_Contains(copied, key) : -1;
@@ -1820,77 +1888,23 @@ static PyObject *copy_hook_call(CopyHook *self, PyObject *const *args, size_t na
     Py_DECREF(copied);
     if (seen < 0)
         return NULL;
-    return PyObject_Vectorcall(seen ? self->original : self->first, args, nargsf, kwnames);
+    return PyObject_Vectorcall(seen ? original : first, args, nargsf, kwnames);
 }
 
 static PyObject *copy_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *original, *current, *pool, *first;
+    PyObject *refs[4];
     static char *kw[] = {"original", "current", "pool", "first", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:CopyHook", kw, &original, &current, &pool, &first))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:CopyHook", kw, &refs[0], &refs[1], &refs[2], &refs[3]))
         return NULL;
-    if (!PyCallable_Check(original) || !PyCallable_Check(first)) {
+    if (!PyCallable_Check(refs[0]) || !PyCallable_Check(refs[3])) {
         PyErr_Format(PyExc_TypeError, "CopyHook(): original (the pool's copy) and first are callables, got %R and %R",
-                     original, first);
+                     refs[0], refs[3]);
         return NULL;
     }
-    CopyHook *self = (CopyHook *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->original = Py_NewRef(original);
-    self->current = Py_NewRef(current);
-    self->pool = Py_NewRef(pool);
-    self->first = Py_NewRef(first);
-    self->vectorcall = (vectorcallfunc)copy_hook_call;
-    return (PyObject *)self;
+    return hook_new(type, (vectorcallfunc)copy_hook_call, 4, refs);
 }
 
-static int copy_hook_traverse(CopyHook *self, visitproc visit, void *arg) {
-    Py_VISIT(self->original);
-    Py_VISIT(self->current);
-    Py_VISIT(self->pool);
-    Py_VISIT(self->first);
-    return 0;
-}
-
-static int copy_hook_clear(CopyHook *self) {
-    Py_CLEAR(self->original);
-    Py_CLEAR(self->current);
-    Py_CLEAR(self->pool);
-    Py_CLEAR(self->first);
-    return 0;
-}
-
-static void copy_hook_dealloc(CopyHook *self) {
-    PyObject_GC_UnTrack(self);
-    copy_hook_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *copy_hook_wrapped(CopyHook *self, void *Py_UNUSED(c)) {
-    if (!self->original) {
-        PyErr_SetString(PyExc_RuntimeError, "CopyHook: cleared by the garbage collector");
-        return NULL;
-    }
-    return Py_NewRef(self->original);
-}
-
-static PyGetSetDef copy_hook_getset[] = {
-    {"__wrapped__", (getter)copy_hook_wrapped, NULL, "the pool's copy method", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject CopyHookType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.CopyHook",
-    .tp_basicsize = sizeof(CopyHook),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(CopyHook, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = copy_hook_new,
-    .tp_dealloc = (destructor)copy_hook_dealloc,
-    .tp_traverse = (traverseproc)copy_hook_traverse,
-    .tp_clear = (inquiry)copy_hook_clear,
-    .tp_getset = copy_hook_getset,
-};
+HOOK_TYPE(CopyHookType, "CopyHook", copy_hook_new);
 
 static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     if (takes("copy_hook", nargs, 4) < 0)
@@ -1898,39 +1912,30 @@ static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     return PyObject_CallFunctionObjArgs((PyObject *)&CopyHookType, args[0], args[1], args[2], args[3], NULL);
 }
 
-/* ---------------------------------------------------------------- the conversion observer
- *
- * ConversionObserver(method, src, role, watch, tensor_type): what the SGLang adapter's
- * conversion watch puts as src.to / src.cuda (an instance attribute: it does not bind) for
- * the length of one copy call. A call is method(src, ...) as it came; where that returned a
- * tensor_type other than src, on the watch's thread (watch.thread, a thread ident), for a
- * role not in watch.known, watch.describe(src, out, role) describes it. The call returns what
- * method returned. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *method, *src, *role, *watch, *tensor_type;
-    vectorcallfunc vectorcall;
-} ConversionObserver;
-
-static PyObject *conversion_call(ConversionObserver *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    if (!self->method || !self->src || !self->role || !self->watch || !self->tensor_type) {
-        PyErr_SetString(PyExc_RuntimeError, "ConversionObserver: cleared by the garbage collector");
+/* ConversionObserver(method, src, role, watch, tensor_type): what the SGLang adapter's
+ * conversion watch puts as src.to / src.cuda for the length of one copy call. A call is
+ * method(src, ...) as it came; where that returned a tensor_type other than src, on the
+ * watch's thread (watch.thread, a thread ident), for a role not in watch.known,
+ * watch.describe(src, out, role) describes it. The call returns what method returned. */
+static PyObject *conversion_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (hook_alive(self) < 0)
         return NULL;
-    }
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     PyObject *small[8], **full = small;
     if (nargs + nkw + 1 > 8 && !(full = PyMem_Malloc((nargs + nkw + 1) * sizeof(PyObject *))))
         return PyErr_NoMemory();
-    full[0] = self->src;
+    /* held while Python code runs: the watch takes the observer off when the copy ends */
+    PyObject *method = Py_NewRef(self->refs[0]), *src = Py_NewRef(self->refs[1]), *role = Py_NewRef(self->refs[2]);
+    PyObject *watch = Py_NewRef(self->refs[3]), *tensor_type = Py_NewRef(self->refs[4]);
+    full[0] = src;
     for (Py_ssize_t i = 0; i < nargs + nkw; i++)
         full[i + 1] = args[i];
-    PyObject *src = Py_NewRef(self->src), *role = Py_NewRef(self->role), *watch = Py_NewRef(self->watch);
-    PyObject *out = PyObject_Vectorcall(self->method, full, nargs + 1, kwnames);
+    PyObject *out = PyObject_Vectorcall(method, full, nargs + 1, kwnames);
     if (full != small)
         PyMem_Free(full);
     if (!out || out == src)
         goto done;
-    int is = PyObject_IsInstance(out, self->tensor_type);
+    int is = PyObject_IsInstance(out, tensor_type);
     if (is <= 0) {
         if (is < 0)
             Py_CLEAR(out);
@@ -1962,83 +1967,28 @@ static PyObject *conversion_call(ConversionObserver *self, PyObject *const *args
         Py_CLEAR(out);
     Py_XDECREF(r);
 done:
+    Py_DECREF(method);
     Py_DECREF(src);
     Py_DECREF(role);
     Py_DECREF(watch);
+    Py_DECREF(tensor_type);
     return out;
 }
 
 static PyObject *conversion_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *method, *src, *role, *watch, *tensor_type;
+    PyObject *refs[5];
     static char *kw[] = {"method", "src", "role", "watch", "tensor_type", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO:ConversionObserver", kw, &method, &src, &role, &watch,
-                                     &tensor_type))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO:ConversionObserver", kw, &refs[0], &refs[1], &refs[2],
+                                     &refs[3], &refs[4]))
         return NULL;
-    if (!PyCallable_Check(method)) {
-        PyErr_Format(PyExc_TypeError, "ConversionObserver(): method is torch.Tensor's to or cuda, got %R", method);
-        return NULL;
-    }
-    ConversionObserver *self = (ConversionObserver *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->method = Py_NewRef(method);
-    self->src = Py_NewRef(src);
-    self->role = Py_NewRef(role);
-    self->watch = Py_NewRef(watch);
-    self->tensor_type = Py_NewRef(tensor_type);
-    self->vectorcall = (vectorcallfunc)conversion_call;
-    return (PyObject *)self;
-}
-
-static int conversion_traverse(ConversionObserver *self, visitproc visit, void *arg) {
-    Py_VISIT(self->method);
-    Py_VISIT(self->src);
-    Py_VISIT(self->role);
-    Py_VISIT(self->watch);
-    Py_VISIT(self->tensor_type);
-    return 0;
-}
-
-static int conversion_clear(ConversionObserver *self) {
-    Py_CLEAR(self->method);
-    Py_CLEAR(self->src);
-    Py_CLEAR(self->role);
-    Py_CLEAR(self->watch);
-    Py_CLEAR(self->tensor_type);
-    return 0;
-}
-
-static void conversion_dealloc(ConversionObserver *self) {
-    PyObject_GC_UnTrack(self);
-    conversion_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *conversion_wrapped(ConversionObserver *self, void *Py_UNUSED(c)) {
-    if (!self->method) {
-        PyErr_SetString(PyExc_RuntimeError, "ConversionObserver: cleared by the garbage collector");
+    if (!PyCallable_Check(refs[0])) {
+        PyErr_Format(PyExc_TypeError, "ConversionObserver(): method is torch.Tensor's to or cuda, got %R", refs[0]);
         return NULL;
     }
-    return Py_NewRef(self->method);
+    return hook_new(type, (vectorcallfunc)conversion_call, 5, refs);
 }
 
-static PyGetSetDef conversion_getset[] = {
-    {"__wrapped__", (getter)conversion_wrapped, NULL, "torch.Tensor's method", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyTypeObject ConversionObserverType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.ConversionObserver",
-    .tp_basicsize = sizeof(ConversionObserver),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(ConversionObserver, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = conversion_new,
-    .tp_dealloc = (destructor)conversion_dealloc,
-    .tp_traverse = (traverseproc)conversion_traverse,
-    .tp_clear = (inquiry)conversion_clear,
-    .tp_getset = conversion_getset,
-};
+HOOK_TYPE(ConversionObserverType, "ConversionObserver", conversion_new);
 
 static PyObject *conversion_observer(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
     if (takes("conversion_observer", nargs, 5) < 0)
@@ -2161,30 +2111,31 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slots",
                                     -1, module_methods};
 
 PyMODINIT_FUNC PyInit__slots(void) {
-    if (PyType_Ready(&SlotMapType) < 0 || PyType_Ready(&RecordObserverType) < 0 || PyType_Ready(&CopyHookType) < 0 ||
-        PyType_Ready(&ConversionObserverType) < 0 ||
-        adapter_strings() < 0)
+    struct {
+        PyTypeObject *type;
+        const char *name;
+    } types[] = {
+        {&SlotMapType, "SlotMap"},
+        {&RecordObserverType, "RecordObserver"},
+        {&CopyHookType, "CopyHook"},
+        {&ConversionObserverType, "ConversionObserver"},
+    };
+    size_t n = sizeof types / sizeof types[0];
+    for (size_t i = 0; i < n; i++)
+        if (PyType_Ready(types[i].type) < 0)
+            return NULL;
+    if (adapter_strings() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
-    Py_INCREF(&SlotMapType);
-    if (PyModule_AddObject(m, "SlotMap", (PyObject *)&SlotMapType) < 0) {
-        Py_DECREF(&SlotMapType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&RecordObserverType);
-    if (PyModule_AddObject(m, "RecordObserver", (PyObject *)&RecordObserverType) < 0) {
-        Py_DECREF(&RecordObserverType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&CopyHookType);
-    if (PyModule_AddObject(m, "CopyHook", (PyObject *)&CopyHookType) < 0) {
-        Py_DECREF(&CopyHookType);
-        Py_DECREF(m);
-        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        Py_INCREF(types[i].type);
+        if (PyModule_AddObject(m, types[i].name, (PyObject *)types[i].type) < 0) {
+            Py_DECREF(types[i].type);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }
