@@ -1348,7 +1348,7 @@ class Instrumentation:
     ) -> None:
         op = sub.op
         with NO_TORCH_FUNCTION():
-            for key, was, now, dst in device_changes(before, after, facts.META_NAMES, device_name):
+            for key, was, now, dst in device_changes(before, after, _NAMES, device_name):
                 pool, role = key
                 if not self._full:  # carried by the submission's one event
                     sub.moves.append(Moved(pool, role, was, now, sub.ref(dst, pool, role)))  # type: ignore[arg-type]
@@ -1408,18 +1408,15 @@ class Instrumentation:
 
         return make
 
-    def _staged_write_back(self, sub: _Submission, host_pool: Any) -> bool:
-        """Whether this write's copy takes its host indices on the CPU by design: SGLang's
-        host pools copy a ``page_first`` write with a staged kernel (device pages to a
-        device staging buffer, then to host pages it addresses from the CPU) when
-        ``can_use_write_back_jit`` is set, read at the copy call; the controller then keeps
-        the host indices on the CPU (``_move_write_operation``)."""
-        return (
-            sub.direction == D2H
-            and self._shape.io_backend == "kernel"
-            and self._shape.layout == "page_first"
-            and getattr(host_pool, "can_use_write_back_jit", False) is True
-        )
+    @staticmethod
+    def _staged_write_back(sub: _Submission, host_pool: Any) -> bool:
+        """Whether this write's copy takes its host indices on the CPU by design, on a tree
+        whose io backend is ``kernel`` and host layout ``page_first`` (the copy hook checks
+        those once, when it is made): SGLang's host pools copy such a write with a staged
+        kernel (device pages to a device staging buffer, then to host pages it addresses
+        from the CPU) when ``can_use_write_back_jit`` is set, read at the copy call; the
+        controller then keeps the host indices on the CPU (``_move_write_operation``)."""
+        return sub.direction == D2H and getattr(host_pool, "can_use_write_back_jit", False) is True
 
     @staticmethod
     def _received(
@@ -1738,7 +1735,7 @@ class Instrumentation:
         if values:
             refs = [sub.ref(t, pool, role) for (pool, role), t in sub.uses.items()]
         else:  # as sub.ref: each tensor's metadata, made once
-            refs = use_refs(sub.uses, sub.refs, TensorRef, facts.META_NAMES, tensor_meta)
+            refs = use_refs(sub.uses, sub.refs, TensorRef, _NAMES, tensor_meta)
         records = self._recorded(sub, refs, stream, stream_name)
         moves = sub.moves
         if sub.side_moves:
