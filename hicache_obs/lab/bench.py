@@ -910,8 +910,9 @@ def bench_sglang_profiles_here(
     write-through) serves a multi-turn plan as its scheduler does (match, load back, evict,
     insert, back up, poll), its rows never written or read (``without_data``: the model's work
     is not the cache's), with the copies off the controller's thread: queued on their streams
-    and run by a worker thread of their own, as a GPU runs its kernels
-    (:func:`~hicache_obs.lab.sglang.deferred.cuda_semantics` with ``worker``). Each
+    and run by a worker thread of their own while the controller's thread waits for them, so
+    they take nothing from it, as a GPU's kernels take nothing from the thread that launched
+    them (:func:`~hicache_obs.lab.sglang.deferred.cuda_semantics` with ``worker``). Each
     step starts once the copies queued so far have run (a GPU's copies of this size finish
     within a step), so every run does the same work.
 
@@ -1068,7 +1069,7 @@ def bench_sglang_profiles_here(
         "slices_per_round": slices,
         "audit_sample": audit_sample,
         "bare_cpu_per_op_us": statistics.median(bare) / (ops_per_run * slices) * 1e6,
-        "copies": "a worker thread of their own (as a GPU's kernels); each step after the last copies ran",
+        "copies": "a worker thread of their own, run while the controller waits; each step after the last copies ran",
     }
     for name in SGLANG_PROFILES:
         mine = [r[0][name] for r in got]

@@ -13,11 +13,12 @@ a program that is correct under CUDA's rules is correct under it, and one that r
 memory a queued copy still uses sees the result. Copies outside a stream block, on the CPU's
 current stream, run at once, as on the default stream.
 
-With ``worker=True`` the queued copies run on a thread of their own as soon as they are
-queued, in stream order, as a GPU runs its kernels beside the thread that launched them: a
-wait blocks until the copies before its mark have run, and ``Event.query()`` says whether
-they have, without running them. The thread that queues them then spends no time copying
-(what the bench's ``sglang`` section measures the controller's thread with).
+With ``worker=True`` the same copies run at the same points, on a thread of their own: a
+wait (or a query) hands the copies before its mark to the worker and sleeps until they have
+run. The thread that queued them spends no time copying, and the copies never hold the GIL
+while it works: a GPU's kernels take nothing from the thread that launched them, and copies
+run beside it would, on a CPU, slow it by taking the GIL in turns. That is what the bench's
+``sglang`` section measures the controller's thread with.
 
 Test support: it patches ``torch.cpu.Event``, ``torch.cpu.synchronize``, ``torch.cpu.Stream``'s
 waits and the copy ops SGLang's modules hold for the length of the block, process-wide; one
@@ -40,26 +41,31 @@ from hicache_obs.errors import ConfigError
 __all__ = ["cuda_semantics", "pending"]
 
 _lock = threading.RLock()
-_ran = threading.Condition(_lock)  # the worker ran a call (worker mode)
+_ran = threading.Condition(_lock)  # copies were asked for, or ran up to a mark asked for (worker mode)
 _queues: dict[int, _Queue] = {}  # id(stream) -> its queue, while active
 _active = False
 _worker: _Worker | None = None
 
 
 class _Queue:
-    """One stream's work: queued calls, how many were queued and how many ran."""
+    """One stream's work: queued calls, how many were queued and how many ran, and how many
+    a wait has asked the worker to run (``wanted``)."""
 
-    __slots__ = ("calls", "queued", "ran", "stream")
+    __slots__ = ("calls", "queued", "ran", "stream", "wanted")
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.calls: list[Callable[[], Any]] = []
         self.queued = 0
         self.ran = 0
+        self.wanted = 0
 
     def run_until(self, mark: int) -> None:
-        if _worker is not None:  # the worker runs them: wait until it has
+        if _worker is not None:  # the worker runs them while this thread waits
             with _ran:
+                if mark > self.wanted:
+                    self.wanted = mark
+                    _ran.notify_all()
                 while self.ran < mark:
                     _worker.raise_error()
                     _ran.wait(0.1)
@@ -70,12 +76,9 @@ class _Queue:
             self.ran += 1
             call()
 
-    def done(self, mark: int) -> bool:
-        return self.ran >= mark
-
 
 class _Worker(threading.Thread):
-    """Runs the queued copies, oldest first on each stream, as soon as they are queued."""
+    """Runs the queued copies a wait asked for, oldest first on each stream."""
 
     def __init__(self) -> None:
         super().__init__(name="hicache-copy-worker", daemon=True)
@@ -96,12 +99,12 @@ class _Worker(threading.Thread):
         try:
             while True:
                 with _ran:
-                    q = next((q for q in _queues.values() if q.calls), None)
+                    q = _asked()
                     while q is None:
                         if self.stop:
                             return
                         _ran.wait(0.1)
-                        q = next((q for q in _queues.values() if q.calls), None)
+                        q = _asked()
                     call = q.calls.pop(0)
                 try:
                     call()
@@ -109,9 +112,15 @@ class _Worker(threading.Thread):
                     self.error = exc
                 with _ran:
                     q.ran += 1
-                    _ran.notify_all()
+                    if q.ran >= q.wanted:  # what was asked for ran: the waiters' marks are at most that
+                        _ran.notify_all()
         finally:
             mode.__exit__(None, None, None)
+
+
+def _asked() -> _Queue | None:
+    """A queue with copies a wait asked for and not run yet (``_lock`` held)."""
+    return next((q for q in _queues.values() if q.calls and q.ran < q.wanted), None)
 
 
 def _current_block_stream() -> Any:
@@ -137,8 +146,6 @@ def _deferring(op: Callable[..., Any]) -> Callable[..., Any]:
             q = _queue(stream)
             q.calls.append(partial(op, *args, **kwargs))
             q.queued += 1
-            if _worker is not None:
-                _ran.notify_all()
         return None
 
     call.__wrapped__ = op  # type: ignore[attr-defined]
@@ -170,9 +177,6 @@ class _Event(torch.cpu.Event):
                 mark[0].run_until(mark[1])
 
     def query(self) -> bool:
-        mark = self._mark
-        if _worker is not None and mark is not None:
-            return mark[0].done(mark[1])  # never blocks, as on a GPU
         self.run_queued()
         return bool(super().query())
 

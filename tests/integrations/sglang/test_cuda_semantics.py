@@ -82,28 +82,49 @@ def _backed_up(t: Any, writes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[
 
 
 @pytest.mark.skipif(release_tuple()[:3] != (0, 5, 12), reason="SGLang 0.5.12's write-back demotion (PR #24585)")
+@pytest.mark.parametrize("worker", [False, True], ids=["at-the-wait", "worker"])
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
 def test_0_5_12_backs_up_the_next_requests_rows_under_cuda_semantics(
-    unified: None, io_backend: str, layout: str
+    unified: None, io_backend: str, layout: str, worker: bool
 ) -> None:
+    """The copies run at the same points with or without the copy worker (``worker``: on it)."""
+    import threading
+
+    from hicache_obs.lab.sglang import deferred
     from hicache_obs.lab.sglang.deferred import cuda_semantics, pending
 
-    with cuda_semantics():
-        t, log, writes = _build(io_backend, layout)
-        for tokens in WORKLOAD[: EVICTING + 1]:
-            assert t.serve(tokens).data_ok
-        assert writes and pending() > 0  # the demoted nodes' writes have not run yet
-        with pytest.raises(AssertionError):
-            t.serve(WORKLOAD[EVICTING + 1])  # writing_check waits for them, then SGLang asserts
-        assert pending() == 0
-        intact = _backed_up(t, writes)
-        assert not all(intact), intact
-        # what the host copies hold instead: rows of the evicting request, which took the slots
-        evicting = _rows(WORKLOAD[EVICTING], t)
-        for (host, _), ok in zip(writes, intact):
-            if not ok:
-                copy = _host_rows(t, host).unbind(1)
-                assert any(any(torch.equal(row, other) for other in evicting) for row in copy)
+    ran_on: set[int] = set()
+
+    def queued(op: Any, *args: Any, **kwargs: Any) -> Any:
+        def call() -> Any:
+            ran_on.add(threading.get_ident())
+            return op(*args, **kwargs)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deferred, "partial", queued)
+        with cuda_semantics(worker=worker):
+            _serve_0_5_12_demotion(io_backend, layout, pending)
+    assert ran_on and (threading.get_ident() in ran_on) is not worker
+
+
+def _serve_0_5_12_demotion(io_backend: str, layout: str, pending: Any) -> None:
+    t, log, writes = _build(io_backend, layout)
+    for tokens in WORKLOAD[: EVICTING + 1]:
+        assert t.serve(tokens).data_ok
+    assert writes and pending() > 0  # the demoted nodes' writes have not run yet
+    with pytest.raises(AssertionError):
+        t.serve(WORKLOAD[EVICTING + 1])  # writing_check waits for them, then SGLang asserts
+    assert pending() == 0
+    intact = _backed_up(t, writes)
+    assert not all(intact), intact
+    # what the host copies hold instead: rows of the evicting request, which took the slots
+    evicting = _rows(WORKLOAD[EVICTING], t)
+    for (host, _), ok in zip(writes, intact):
+        if not ok:
+            copy = _host_rows(t, host).unbind(1)
+            assert any(any(torch.equal(row, other) for other in evicting) for row in copy)
     found = [(f.rule, f.pool, f.role) for f in audit([e for e in log.events() if not isinstance(e, AuditViolation)])]
     assert ("slot_not_allocated", "kv", "device") in found  # and the log said so
 
@@ -152,23 +173,38 @@ def test_cuda_semantics_refuses_a_second_block() -> None:
 @pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
 def test_the_copy_worker_runs_the_copies_beside_the_controller(unified: None, io_backend: str, layout: str) -> None:
-    """``worker=True``: the copies run on a thread of their own, the rows come out intact, and
-    the controller's thread copies nothing (its threads' idents, seen from inside a copy)."""
+    """``worker=True``: the copies run on a thread of their own, the rows come out intact, the
+    controller's thread copies nothing (its threads' idents, seen from inside a copy), and each
+    copy runs while the controller's thread waits for it (never while it works)."""
     import threading
 
     from hicache_obs.lab.sglang import deferred
 
     ran_on: set[int] = set()
+    waits = [0]  # the controller's thread is inside a wait for queued copies
+    while_working: list[int] = []
 
     def queued(op: Any, *args: Any, **kwargs: Any) -> Any:  # what a stream's queue holds: the copy call
         def call() -> Any:
             ran_on.add(threading.get_ident())
+            if not waits[0]:
+                while_working.append(1)
             return op(*args, **kwargs)
 
         return call
 
+    run_until = deferred._Queue.run_until
+
+    def waiting(q: Any, mark: int) -> None:
+        waits[0] += 1
+        try:
+            run_until(q, mark)
+        finally:
+            waits[0] -= 1
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(deferred, "partial", queued)
+        mp.setattr(deferred._Queue, "run_until", waiting)
         with deferred.cuda_semantics(worker=True):
             t, log, writes = _build(io_backend, layout)
             served = [t.serve(tokens) for tokens in WORKLOAD]
@@ -176,6 +212,7 @@ def test_the_copy_worker_runs_the_copies_beside_the_controller(unified: None, io
             assert deferred.pending() == 0
             t.step()
     assert ran_on and threading.get_ident() not in ran_on  # every queued copy ran on the worker
+    assert while_working == []
     assert writes and all(_backed_up(t, writes))
     assert [s.loaded for s in served] == [0, 0, 0, 2 * PAGE, 0, 2 * PAGE]
     assert all(s.data_ok for s in served), [s.data_ok for s in served]
