@@ -172,7 +172,7 @@ def test_cuda_semantics_refuses_a_second_block() -> None:
 
 @pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
-def test_the_copy_worker_runs_the_copies_beside_the_controller(unified: None, io_backend: str, layout: str) -> None:
+def test_the_copy_worker_runs_the_copies_while_the_controller_waits(unified: None, io_backend: str, layout: str) -> None:
     """``worker=True``: the copies run on a thread of their own, the rows come out intact, the
     controller's thread copies nothing (its threads' idents, seen from inside a copy), and each
     copy runs while the controller's thread waits for it (never while it works)."""
