@@ -11,6 +11,8 @@ workload with every row intact, loads back included.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -88,25 +90,30 @@ def test_0_5_12_backs_up_the_next_requests_rows_under_cuda_semantics(
     unified: None, io_backend: str, layout: str, worker: bool
 ) -> None:
     """The copies run at the same points with or without the copy worker (``worker``: on it)."""
-    import threading
-
     from hicache_obs.lab.sglang import deferred
     from hicache_obs.lab.sglang.deferred import cuda_semantics, pending
 
     ran_on: set[int] = set()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deferred, "partial", _recording(ran_on))
+        with cuda_semantics(worker=worker):
+            _serve_0_5_12_demotion(io_backend, layout, pending)
+    assert ran_on and (threading.get_ident() in ran_on) is not worker
 
-    def queued(op: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _recording(ran_on: set[int], on_run: Callable[[], None] = lambda: None) -> Callable[..., Any]:
+    """A stand-in for the deferred module's ``partial`` (what a stream's queue holds): the
+    queued copy call adds the ident of the thread that runs it to ``ran_on``, then ``on_run()``."""
+
+    def queued(op: Any, *args: Any, **kwargs: Any) -> Callable[[], Any]:
         def call() -> Any:
             ran_on.add(threading.get_ident())
+            on_run()
             return op(*args, **kwargs)
 
         return call
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(deferred, "partial", queued)
-        with cuda_semantics(worker=worker):
-            _serve_0_5_12_demotion(io_backend, layout, pending)
-    assert ran_on and (threading.get_ident() in ran_on) is not worker
+    return queued
 
 
 def _serve_0_5_12_demotion(io_backend: str, layout: str, pending: Any) -> None:
@@ -172,26 +179,21 @@ def test_cuda_semantics_refuses_a_second_block() -> None:
 
 @pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
 @pytest.mark.parametrize("io_backend,layout", BACKENDS)
-def test_the_copy_worker_runs_the_copies_while_the_controller_waits(unified: None, io_backend: str, layout: str) -> None:
+def test_the_copy_worker_runs_the_copies_while_the_controller_waits(
+    unified: None, io_backend: str, layout: str
+) -> None:
     """``worker=True``: the copies run on a thread of their own, the rows come out intact, the
     controller's thread copies nothing (its threads' idents, seen from inside a copy), and each
     copy runs while the controller's thread waits for it (never while it works)."""
-    import threading
-
     from hicache_obs.lab.sglang import deferred
 
     ran_on: set[int] = set()
     waits = [0]  # the controller's thread is inside a wait for queued copies
     while_working: list[int] = []
 
-    def queued(op: Any, *args: Any, **kwargs: Any) -> Any:  # what a stream's queue holds: the copy call
-        def call() -> Any:
-            ran_on.add(threading.get_ident())
-            if not waits[0]:
-                while_working.append(1)
-            return op(*args, **kwargs)
-
-        return call
+    def outside_a_wait() -> None:
+        if not waits[0]:
+            while_working.append(1)
 
     run_until = deferred._Queue.run_until
 
@@ -203,7 +205,7 @@ def test_the_copy_worker_runs_the_copies_while_the_controller_waits(unified: Non
             waits[0] -= 1
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(deferred, "partial", queued)
+        mp.setattr(deferred, "partial", _recording(ran_on, outside_a_wait))
         mp.setattr(deferred._Queue, "run_until", waiting)
         with deferred.cuda_semantics(worker=True):
             t, log, writes = _build(io_backend, layout)
