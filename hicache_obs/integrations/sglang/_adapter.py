@@ -141,13 +141,14 @@ class _OpQueue(list):  # type: ignore[type-arg]
         self._on_append = on_append
         self._on_cleared = on_cleared
 
+    # list's own methods called by name: one lookup, where super() makes an object per call
     def append(self, op: Any) -> None:
-        super().append(op)
+        list.append(self, op)
         self._on_append(op)
 
     def clear(self) -> None:
         taken = list(self)
-        super().clear()
+        list.clear(self)
         if taken:
             self._on_cleared(taken)
 
@@ -169,27 +170,27 @@ class _AckQueue(list):  # type: ignore[type-arg]
         self._on_cleared = on_cleared
 
     def append(self, ack: Any) -> None:
-        super().append(ack)
+        list.append(self, ack)
         self._on_append(ack)
 
     def pop(self, index: Any = -1) -> Any:
-        ack = super().pop(index)
+        ack = list.pop(self, index)
         self._on_taken(ack)
         return ack
 
     def __delitem__(self, key: Any) -> None:
         taken = self[key] if isinstance(key, slice) else [self[key]]
-        super().__delitem__(key)
+        list.__delitem__(self, key)
         for ack in taken:
             self._on_taken(ack)
 
     def remove(self, ack: Any) -> None:
-        super().remove(ack)
+        list.remove(self, ack)
         self._on_taken(ack)
 
     def clear(self) -> None:
         taken = list(self)
-        super().clear()
+        list.clear(self)
         for ack in taken:
             self._on_cleared(ack)
 
