@@ -78,6 +78,7 @@ def _child(kind: str, lib: Path, audit_sample: float) -> None:
     from hicache_obs.exporters.sinkhost import add_sink_host
     from hicache_obs.integrations.sglang import _adapter, instrument
     from hicache_obs.lab.bench import _conversation_plan, _sglang_sink_specs
+    from hicache_obs.lab.sglang import deferred
     from hicache_obs.lab.sglang.deferred import cuda_semantics
     from hicache_obs.lab.sglang.harness import prepare
     from hicache_obs.lab.sglang.tree import build_hybrid_tree
@@ -86,6 +87,11 @@ def _child(kind: str, lib: Path, audit_sample: float) -> None:
     # real serving of the plan, some 40 times as often under valgrind's slowdown, and as
     # often as the machine is slow. Not during the counted serving: the count stays the same.
     _adapter.POOLS_EVERY_NS = 1 << 62
+    # A wait of the controller's thread for its copies wakes when they ran, and every
+    # deferred.WAKE_S of wall time to look for a failed copy: some 0.1 s, which valgrind's
+    # slowdown makes a few copies long, so the count would grow with the machine's load.
+    # Counted, a wait wakes when its copies ran, as at full speed.
+    deferred.WAKE_S = 30.0
     counting = ctypes.CDLL(str(lib))
     prepare("cpu")
     spec = ModelSpec.tiny_hybrid()

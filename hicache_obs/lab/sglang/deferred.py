@@ -45,6 +45,10 @@ _ran = threading.Condition(_lock)  # copies were asked for, or ran up to a mark 
 _queues: dict[int, _Queue] = {}  # id(stream) -> its queue, while active
 _active = False
 _worker: _Worker | None = None
+#: how long a wait sleeps before it looks for a failed copy (seconds); a wait also wakes when
+#: its copies ran. A counted run under valgrind (tens of times slower) raises it, so that
+#: the controller's thread wakes once a wait, as it does at full speed
+WAKE_S = 0.1
 
 
 class _Queue:
@@ -68,7 +72,7 @@ class _Queue:
                     _ran.notify_all()
                 while self.ran < mark:
                     _worker.raise_error()
-                    _ran.wait(0.1)
+                    _ran.wait(WAKE_S)
                 _worker.raise_error()
             return
         while self.ran < mark and self.calls:
@@ -103,7 +107,7 @@ class _Worker(threading.Thread):
                     while q is None:
                         if self.stop:
                             return
-                        _ran.wait(0.1)
+                        _ran.wait(WAKE_S)
                         q = _asked()
                     call = q.calls.pop(0)
                 try:

@@ -12,6 +12,7 @@ workload with every row intact, loads back included.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -220,3 +221,43 @@ def test_the_copy_worker_runs_the_copies_while_the_controller_waits(
     assert all(s.data_ok for s in served), [s.data_ok for s in served]
     log.flush()
     assert audit([e for e in log.events() if not isinstance(e, AuditViolation)]) == []
+
+
+@pytest.mark.skipif(release_tuple() < (0, 5, 13), reason="0.5.13 waits for a write-back before it demotes")
+def test_a_wait_for_the_copy_worker_wakes_when_its_copies_ran(unified: None) -> None:
+    """A wait of the controller's thread sleeps until the worker ran the copies it asked for:
+    with ``WAKE_S`` (the look for a failed copy) far longer than any copy, as a counted run
+    under valgrind sets it, every wait the controller's thread makes ends by the worker's
+    notice, never by the clock, so the serving takes the same steps however slow the copies."""
+    from hicache_obs.lab.sglang import deferred
+
+    controller = threading.get_ident()
+    woken: list[bool] = []  # each wait of the controller's thread: notified (True) or timed out
+    ran_on: set[int] = set()
+    slow = [True]
+
+    def first_copy_slow() -> None:  # longer than the default WAKE_S (0.1 s)
+        if slow[0]:
+            slow[0] = False
+            time.sleep(0.3)
+
+    class Watched(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            got = super().wait(timeout)
+            if threading.get_ident() == controller:
+                woken.append(got)
+            return got
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(deferred, "WAKE_S", 30.0)
+        mp.setattr(deferred, "_ran", Watched(deferred._lock))
+        mp.setattr(deferred, "partial", _recording(ran_on, first_copy_slow))
+        with deferred.cuda_semantics(worker=True):
+            t, _, writes = _build("kernel", "page_first")  # the bench's backend
+            served = [t.serve(tokens) for tokens in WORKLOAD]
+            torch.cpu.synchronize()
+            t.step()
+    assert not slow[0] and threading.get_ident() not in ran_on  # the worker ran them, the first slowly
+    assert woken and all(woken), woken
+    assert writes and all(_backed_up(t, writes))
+    assert all(s.data_ok for s in served), [s.data_ok for s in served]
