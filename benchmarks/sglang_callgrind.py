@@ -3,6 +3,7 @@
 Run by a Python that has SGLang (``make sglang``), with valgrind and a C compiler:
 
     .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py [--profiles metrics audit] > cg.json
+    .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py --profiles metrics --leave-out copy record
 
 ``hicache-obs bench``'s ``sglang.profiles`` measure times the controller thread, and on a
 shared 2-core machine its medians move by a few hundredths from run to run: a change worth
@@ -47,6 +48,15 @@ void counting_on(void) { CALLGRIND_START_INSTRUMENTATION; CALLGRIND_ZERO_STATS; 
 void counting_off(void) { CALLGRIND_DUMP_STATS; CALLGRIND_STOP_INSTRUMENTATION; }
 """
 KINDS = ("bare", "metrics", "audit", "sampling")
+#: what ``--leave-out`` can make a pass-through in a ``metrics`` run, to count what it costs
+PARTS = {
+    "copy": "the copy hook (and with it the copies' tensors, their descriptions and the watch)",
+    "watch": "the conversion watch of a copy",
+    "record": "the record_stream observer",
+    "queues": "the queue and ack hooks",
+    "move": "the op-level move hook",
+    "events": "the log's emit (the hooks still make the events' fields)",
+}
 OPS_LINE = "hicache-callgrind-ops"  # an instrumented child's count of the operations it served
 # The log hands events to the sink host every 50 ms of wall time (or 256 events): about every
 # 25 events in a real serving of the plan (some 350 events in about 0.7 s), about every event
@@ -68,8 +78,29 @@ def _build_helper(where: Path) -> Path:
     return lib
 
 
-def _child(kind: str, lib: Path, audit_sample: float) -> None:
-    """Serve the plan once, counted, under ``kind`` (run inside valgrind)."""
+def _leave_out(part: str) -> None:
+    """Make ``part`` (of :data:`PARTS`) a pass-through in the adapter, before it is attached."""
+    from hicache_obs.integrations.sglang._adapter import Instrumentation, _ConversionWatch
+
+    def same(original: Any) -> Any:
+        return original
+
+    # a diagnostic of the adapter's own parts: it replaces their private builders
+
+    if part == "copy":
+        Instrumentation._copy_wrapper = lambda self, pool, host_pool: same  # type: ignore[method-assign]  # noqa: SLF001
+    elif part == "watch":
+        _ConversionWatch.__enter__ = lambda self: self  # type: ignore[method-assign]
+        _ConversionWatch.__exit__ = lambda self, *exc: None  # type: ignore[method-assign]
+    elif part == "queues":
+        Instrumentation._swap_list = lambda self, obj, attr, observed: None  # type: ignore[method-assign]  # noqa: SLF001
+    elif part == "move":
+        Instrumentation._move_wrapper = lambda self, takes_op: same  # type: ignore[method-assign]  # noqa: SLF001
+
+
+def _child(kind: str, lib: Path, audit_sample: float, leave_out: str | None = None) -> None:
+    """Serve the plan once, counted, under ``kind`` (run inside valgrind), with ``leave_out``
+    (of :data:`PARTS`) a pass-through."""
     import torch
 
     from hicache_obs.core._spec import ModelSpec
@@ -92,6 +123,8 @@ def _child(kind: str, lib: Path, audit_sample: float) -> None:
     # slowdown makes a few copies long, so the count would grow with the machine's load.
     # Counted, a wait wakes when its copies ran, as at full speed.
     deferred.WAKE_S = 30.0
+    if leave_out is not None:
+        _leave_out(leave_out)
     counting = ctypes.CDLL(str(lib))
     prepare("cpu")
     spec = ModelSpec.tiny_hybrid()
@@ -125,6 +158,10 @@ def _child(kind: str, lib: Path, audit_sample: float) -> None:
             inst = instrument(
                 th.controller, log=log, profile=kind, audit_sample=audit_sample if kind == "sampling" else None
             )
+            if leave_out == "events":
+                log.emit = lambda *args, **fields: None  # type: ignore[method-assign]
+            elif leave_out == "record":
+                torch.Tensor.record_stream = torch.Tensor.record_stream.__wrapped__  # type: ignore[attr-defined]
         gc.collect()
         gc.freeze()
         counting.counting_on()
@@ -135,6 +172,9 @@ def _child(kind: str, lib: Path, audit_sample: float) -> None:
             inst.detach()
             if inst.errors:
                 raise SystemExit(f"sglang_callgrind: {inst.errors} steps of the {kind} run not observed")
+            if leave_out is not None:  # its events may be missing: the full run says how many operations
+                inst = None
+        if inst is not None:
             ops = sum(len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued for e in served)
             print(f"{OPS_LINE} {ops}", flush=True)
         log.close()
@@ -157,26 +197,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", nargs="+", default=["metrics", "audit"], choices=KINDS[1:])
     ap.add_argument("--audit-sample", type=float, default=0.01, help="the sampling profile's share")
+    ap.add_argument(
+        "--leave-out",
+        nargs="+",
+        default=[],
+        choices=sorted(PARTS),
+        metavar="PART",
+        help="also count metrics with each PART a pass-through: " + "; ".join(f"{k}: {v}" for k, v in PARTS.items()),
+    )
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
+    ap.add_argument("--child-leaves-out", choices=sorted(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--lib", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.lib, args.audit_sample)
+        _child(args.child, args.lib, args.audit_sample, args.child_leaves_out)
         return
+    if args.leave_out and "metrics" not in args.profiles:
+        args.profiles.append("metrics")  # what a part's count is read against
     if shutil.which("valgrind") is None:
         raise SystemExit("sglang_callgrind: valgrind is not installed (Debian: apt-get install valgrind)")
     work = Path(tempfile.mkdtemp(prefix="hicache-callgrind-"))
     try:
         lib = _build_helper(work)
-        kinds = ["bare", *args.profiles]
+        kinds = ["bare", *args.profiles, *(f"metrics-without-{part}" for part in args.leave_out)]
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
         started = time.monotonic()
         children = {}
         for kind in kinds:
+            child, _, part = kind.partition("-without-")
             cmd = [
                 "valgrind", "--tool=callgrind", "--instr-atstart=no", "--cache-sim=yes", "--separate-threads=yes",
-                f"--callgrind-out-file={work}/{kind}.%p", sys.executable, __file__, "--child", kind,
+                f"--callgrind-out-file={work}/{kind}.%p", sys.executable, __file__, "--child", child,
                 "--lib", str(lib), "--audit-sample", str(args.audit_sample),
+                *(["--child-leaves-out", part] if part else []),
             ]  # fmt: skip
             log = open(work / f"{kind}.log", "w")
             children[kind] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
@@ -203,6 +256,11 @@ def main() -> None:
             out[kind]["ops"] = ops
             out[kind]["ratio"] = round(out[kind]["cycles"] / out["bare"]["cycles"], 4)
             out[kind]["per_op_instructions"] = round((out[kind]["Ir"] - out["bare"]["Ir"]) / ops)
+        for part in args.leave_out:
+            kind, ops = f"metrics-without-{part}", out["metrics"]["ops"]
+            out[kind]["per_op_instructions"] = round((out[kind]["Ir"] - out["bare"]["Ir"]) / ops)
+            # what the part adds to a metrics operation
+            out[kind]["part_per_op_instructions"] = round((out["metrics"]["Ir"] - out[kind]["Ir"]) / ops)
         print(json.dumps(out, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)
