@@ -86,7 +86,6 @@ def _leave_out(part: str) -> None:
         return original
 
     # a diagnostic of the adapter's own parts: it replaces their private builders
-
     if part == "copy":
         Instrumentation._copy_wrapper = lambda self, pool, host_pool: same  # type: ignore[method-assign]  # noqa: SLF001
     elif part == "watch":
