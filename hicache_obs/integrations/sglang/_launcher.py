@@ -89,7 +89,9 @@ class _Pipeline:
         self.profile = profile_from_env()  # a bad value: this controller is not instrumented (one line)
         rank_env = os.environ.get(ENV["rank"])
         self.rank = int(rank_env) if rank_env not in (None, "") else _rank_of(controller)
-        self.log = EventLog(rank=self.rank)
+        # the rank's folder has every event: none is kept in memory besides the sinks' ring,
+        # so a scheduler that serves for days holds a bounded number of them
+        self.log = EventLog(rank=self.rank, capacity=0)
         out = Path(os.environ.get(ENV["out"]) or "hicache-obs-sglang")
         with _lock:
             n = sum(p.rank == self.rank for p in _pipelines)

@@ -35,7 +35,9 @@ CHILD = textwrap.dedent(
             kv = h.alloc_kv(32)
             h.write(kv, h.alloc_mamba(1), node_id=i)
         h.reap()
-        Path(folder, f"ready-{rank}").write_text(str(writes))
+        from hicache_obs.integrations.sglang._launcher import pipelines
+        log = pipelines()[0].log  # events kept in memory, and every one appended so far
+        Path(folder, f"ready-{rank}").write_text(f"{len(log.events())} {log.overflowed + len(log.events())}")
         deadline = time.time() + 60
         while not Path(folder, "stop").exists() and time.time() < deadline:
             time.sleep(0.05)
@@ -116,6 +118,10 @@ def test_launcher_instruments_spawned_processes(tmp_path: Path) -> None:
     assert res.ranks == [0, 1]
     submitted = {r: sum(type(e).__name__ == "TransferSubmitted" and e.rank == r for e in res.events) for r in (0, 1)}
     assert submitted == {0: 2, 1: 3}
+    # the files hold every event; the scheduler's process keeps none of them in memory
+    for r in (0, 1):
+        kept, appended = map(int, (work / f"ready-{r}").read_text().split())
+        assert kept == 0 and 0 < appended <= sum(e.rank == r for e in res.events), (kept, appended)
     if release_tuple() >= (0, 5, 11):
         assert res.findings == []
     else:
