@@ -61,6 +61,20 @@ class _OddDevice(_OnDevice):
         return SimpleNamespace(type="cuda", index=3)
 
 
+class _NamedDevice(_OnDevice):
+    """Reports CUDA with its device as a name (a string), as some stand-ins do."""
+
+    name = "cuda:2"
+
+    @property
+    def device(self) -> Any:  # type: ignore[override]
+        return self.name
+
+
+class _BadlyNamedDevice(_NamedDevice):
+    name = "not a device"
+
+
 def _outcome(fn: Any, *args: Any) -> tuple[Any, ...]:
     try:
         return ("ok", fn(*args))
@@ -70,7 +84,7 @@ def _outcome(fn: Any, *args: Any) -> tuple[Any, ...]:
 
 @st.composite
 def _tensor(draw: Any) -> torch.Tensor:
-    kind = draw(st.sampled_from(["cpu", "cuda0", "cuda1", "odd", "meta", "view"]))
+    kind = draw(st.sampled_from(["cpu", "cuda0", "cuda1", "odd", "named", "badly named", "meta", "view"]))
     dtype = draw(st.sampled_from(DTYPES))
     n = draw(st.integers(0, 12))
     if kind == "meta":
@@ -78,7 +92,10 @@ def _tensor(draw: Any) -> torch.Tensor:
     t = torch.arange(n).to(dtype)
     if kind == "view" and n > 2:
         t = t[1::2]
-    cls = {"cuda0": _OnDevice, "cuda1": _OnDevice1, "odd": _OddDevice}.get(kind)
+    cls = {
+        "cuda0": _OnDevice, "cuda1": _OnDevice1, "odd": _OddDevice, "named": _NamedDevice,
+        "badly named": _BadlyNamedDevice,
+    }.get(kind)  # fmt: skip
     return t.as_subclass(cls) if cls is not None else t
 
 
@@ -282,6 +299,13 @@ def test_meta_ref_and_device_of_give_what_the_pure_descriptions_give(impl: Any, 
             t, "kv", "device"
         )
         assert impl.device_of(t, facts.META_NAMES, facts.device_name) == facts.device_name(t)
+
+
+def test_a_device_reported_by_name_is_read_from_the_name() -> None:
+    with facts.NO_TORCH_FUNCTION():
+        assert facts.device_name(torch.arange(2).as_subclass(_NamedDevice)) == "cuda:2"
+        assert facts.device_name(torch.arange(2).as_subclass(_BadlyNamedDevice)) == "cuda:0"
+        assert facts.tensor_meta(torch.arange(2).as_subclass(_NamedDevice), "kv", "device").device == "cuda:2"
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -45,7 +45,14 @@ def device_name(t: torch.Tensor) -> str:
         dev = t.device
         name = _CUDA_NAMES.get(dev) if type(dev) is torch.device else None
         if name is None:
-            name = f"cuda:{dev.index or 0}" if dev.type == "cuda" else "cuda:0"
+            kind, index = getattr(dev, "type", None), getattr(dev, "index", None)
+            if isinstance(dev, str):  # a device reported by its name
+                try:
+                    parsed = torch.device(dev)
+                    kind, index = parsed.type, parsed.index
+                except (RuntimeError, ValueError):
+                    pass
+            name = f"cuda:{index or 0}" if kind == "cuda" else "cuda:0"
             if type(dev) is torch.device and len(_CUDA_NAMES) < 64:
                 _CUDA_NAMES[dev] = name
         return name
