@@ -91,14 +91,24 @@ class SinkRunner:
         max_queue: int = 100_000,
         policy: str = "drop",
         block_timeout: float = 1.0,
-        batch_size: int = 4096,
+        batch_size: int | None = None,
         interval: float = 0.05,
         start_seq: int | None = None,
     ) -> None:
-        if policy not in ("drop", "block"):
-            from ..errors import ConfigError
+        from ..errors import ConfigError
 
+        if policy not in ("drop", "block"):
             raise ConfigError(f"sink queue policy {policy!r} is not 'drop' or 'block'")
+        # a batch is at most half the ring, so a runner may fall half the ring behind before
+        # it drops (the default: 4096, or half of a smaller ring)
+        half = log.ring_size // 2
+        if batch_size is None:
+            batch_size = min(4096, half)
+        elif not 1 <= batch_size <= half:
+            raise ConfigError(
+                f"sink batch_size must be between 1 and {half} (half the log's ring of {log.ring_size}), "
+                f"got {batch_size}"
+            )
         self.sink = sink
         self.log = log
         self.name = name or getattr(sink, "name", None) or type(sink).__name__

@@ -194,6 +194,29 @@ def test_raising_sink_counts_errors_and_drops() -> None:
     assert st["handled"] == 0
 
 
+def test_a_sink_on_the_smallest_ring_may_fall_half_of_it_behind() -> None:
+    """The default batch is at most half the ring: on a ring of 4,096 a sink falls up to
+    2,048 events behind before it drops (a 4,096-event batch left it room for one)."""
+    log = EventLog(ring_size=1 << 12)
+    gate = threading.Event()
+
+    class Held(ListSink):
+        def handle(self, ev: object) -> None:
+            gate.wait(10)
+            super().handle(ev)  # type: ignore[arg-type]
+
+    sink = Held()
+    runner = log.add_sink(sink)
+    _emit_n(log, 1500)  # while the sink is held on its first event
+    gate.set()
+    log.close()
+    assert runner.stats()["dropped"] == 0
+    assert [e.seq for e in sink.events] == list(range(1500))
+    assert runner.batch_size == 2048 and runner.max_queue == 2048
+    with pytest.raises(ConfigError, match=r"batch_size must be between 1 and 2048 \(half the log's ring of 4096\), got 4096"):
+        EventLog(ring_size=1 << 12).add_sink(ListSink(), batch_size=4096)
+
+
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ConfigError, match="'sometimes'"):
         EventLog().add_sink(ListSink(), policy="sometimes")
