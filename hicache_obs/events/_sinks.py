@@ -99,6 +99,8 @@ class SinkRunner:
 
         if policy not in ("drop", "block"):
             raise ConfigError(f"sink queue policy {policy!r} is not 'drop' or 'block'")
+        if type(max_queue) is not int or max_queue < 1:
+            raise ConfigError(f"sink max_queue must be an int >= 1 (events a sink may fall behind), got {max_queue!r}")
         # a batch is at most half the ring, so a runner may fall half the ring behind before
         # it drops (the default: 4096, or half of a smaller ring)
         half = log.ring_size // 2

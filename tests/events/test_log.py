@@ -222,6 +222,14 @@ def test_unknown_policy_is_rejected() -> None:
         EventLog().add_sink(ListSink(), policy="sometimes")
 
 
+@pytest.mark.parametrize("bad", [0, -5, 2.5, "10"])
+def test_a_queue_bound_below_one_is_rejected(bad: object) -> None:
+    log = EventLog()
+    with pytest.raises(ConfigError, match=rf"max_queue must be an int >= 1 \(events a sink may fall behind\), got {bad!r}"):
+        log.add_sink(ListSink(), max_queue=bad)
+    assert log._sinks == []  # no runner was started
+
+
 def test_concurrent_emitters_get_unique_gap_free_seqs() -> None:
     log = EventLog()
     sink = ListSink()
