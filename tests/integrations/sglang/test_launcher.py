@@ -37,7 +37,7 @@ CHILD = textwrap.dedent(
         h.reap()
         from hicache_obs.integrations.sglang._launcher import pipelines
         log = pipelines()[0].log  # events kept in memory, and every one appended so far
-        Path(folder, f"ready-{rank}").write_text(f"{len(log.events())} {log.overflowed + len(log.events())}")
+        Path(folder, f"ready-{rank}").write_text(f"{len(log.events())} {len(log)}")
         deadline = time.time() + 60
         while not Path(folder, "stop").exists() and time.time() < deadline:
             time.sleep(0.05)
