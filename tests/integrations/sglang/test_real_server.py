@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 from sglang_env import RELEASE, release_tuple
 
+from hicache_obs._profiles import Profile
 from hicache_obs.lab.sglang.server import (
     SERVER_ARGS,
     Conversations,
@@ -196,12 +197,31 @@ CONFIGS = [
 # 0.5.10 and 0.5.11: Llama, one server per policy. Their transformers (5.3.0) has no MellumConfig
 # and refuses the NemotronH layer names make_model writes; LFM2 was not tried on them.
 EARLIER_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[5]]
+# Every server above runs the launcher's default profile (metrics). These run the other two on
+# the hybrid models, with every operation audited in full: under sampling at a share of 1 each
+# op's device index tensors are held (weakly) while it is in flight and every device free is
+# compared with them; under audit every allocation and free is read and checked.
+PROFILE_CONFIGS = [
+    pytest.param(*CONFIGS[13], Profile("sampling", 1.0), id="nemotron_h-sampling-1"),
+    pytest.param(*CONFIGS[9], Profile("audit", 1.0), id="lfm2-write_back-audit"),
+    pytest.param(*CONFIGS[11], Profile("sampling", 1.0), id="mellum-write_back-sampling-1"),
+]
 
 
 @needs_server
-@pytest.mark.parametrize(("model", "policy", "backend", "layout", "page"), CONFIGS if CURRENT else EARLIER_CONFIGS)
+@pytest.mark.parametrize(
+    ("model", "policy", "backend", "layout", "page", "profile"),
+    [(*c, None) for c in CONFIGS] + PROFILE_CONFIGS if CURRENT else [(*c, None) for c in EARLIER_CONFIGS],
+)
 def test_served_from_host_exact_and_silent(
-    models: dict[str, Path], tmp_path: Path, model: str, policy: str, backend: str, layout: str, page: int
+    models: dict[str, Path],
+    tmp_path: Path,
+    model: str,
+    policy: str,
+    backend: str,
+    layout: str,
+    page: int,
+    profile: Profile | None,
 ) -> None:
     config = ServerConfig(
         models[model], io_backend=backend, layout=layout, write_policy=policy, page_size=page,
@@ -211,8 +231,9 @@ def test_served_from_host_exact_and_silent(
     fault = tmp_path / "skip-loads"
     out = tmp_path / "obs"
     with SGLangServer(
-        config, tmp_path / "server.log", python=sys.executable, instrument_out=out, metrics_port=port, fault_file=fault
-    ) as server:
+        config, tmp_path / "server.log", python=sys.executable, instrument_out=out, metrics_port=port,
+        profile=profile, fault_file=fault,
+    ) as server:  # fmt: skip
         first = prefix_reuse(server, turns=range(2))
         from_host = [t for t in first if t.cached_host > 0]
         assert len(from_host) >= 5, [(t.cached_device, t.cached_host) for t in first]
@@ -249,6 +270,10 @@ def test_served_from_host_exact_and_silent(
         assert len(changed) >= len(broken) // 2, "loads that copy nothing did not change the outputs"
         ours, _ = _quiet(server, port)
         events = _value(ours, "hicache_events_total")
+    # the ranks ran the profile asked for: the share audited in full, and the launcher's line
+    assert _value(ours, "hicache_audit_sample_ratio") == (0.0 if profile is None else profile.audit_sample)
+    ran = "metrics" if profile is None else profile.name + (" 1" if profile.name == "sampling" else "")
+    assert f"(rank 0, profile {ran})" in (tmp_path / "server.log").read_text()
     report = _audit(out)
     assert report["violations"] == []
     assert report["events"] == events
