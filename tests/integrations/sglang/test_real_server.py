@@ -211,7 +211,8 @@ PROFILE_CONFIGS = [
 @needs_server
 @pytest.mark.parametrize(
     ("model", "policy", "backend", "layout", "page", "profile"),
-    [(*c, None) for c in CONFIGS] + PROFILE_CONFIGS if CURRENT else [(*c, None) for c in EARLIER_CONFIGS],
+    [pytest.param(*c, None, id="-".join(map(str, c))) for c in (CONFIGS if CURRENT else EARLIER_CONFIGS)]
+    + (PROFILE_CONFIGS if CURRENT else []),
 )
 def test_served_from_host_exact_and_silent(
     models: dict[str, Path],
