@@ -273,7 +273,8 @@ def test_served_from_host_exact_and_silent(
         events = _value(ours, "hicache_events_total")
     # the ranks ran the profile asked for: the share audited in full, and the launcher's line
     assert _value(ours, "hicache_audit_sample_ratio") == (0.0 if profile is None else profile.audit_sample)
-    ran = "metrics" if profile is None else profile.name + (" 1" if profile.name == "sampling" else "")
+    ran = "metrics" if profile is None else profile.name
+    ran += f" {profile.audit_sample:g}" if profile is not None and profile.name == "sampling" else ""
     assert f"(rank 0, profile {ran})" in (tmp_path / "server.log").read_text()
     report = _audit(out)
     assert report["violations"] == []
