@@ -114,7 +114,7 @@ class SinkRunner:
         self.sink = sink
         self.log = log
         self.name = name or getattr(sink, "name", None) or type(sink).__name__
-        self.max_queue = max(1, min(max_queue, log.ring_size - batch_size))
+        self.max_queue = min(max_queue, log.ring_size - batch_size)  # both at least 1 (checked above)
         self.policy = policy
         self.block_timeout = block_timeout
         self.batch_size = batch_size
