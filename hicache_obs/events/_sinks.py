@@ -106,11 +106,14 @@ class SinkRunner:
         half = log.ring_size // 2
         if batch_size is None:
             batch_size = min(4096, half)
-        elif not 1 <= batch_size <= half:
+        elif type(batch_size) is not int or not 1 <= batch_size <= half:
             raise ConfigError(
-                f"sink batch_size must be between 1 and {half} (half the log's ring of {log.ring_size}), "
-                f"got {batch_size}"
+                f"sink batch_size must be an int between 1 and {half} (half the log's ring of {log.ring_size}), "
+                f"got {batch_size!r}"
             )
+        for what, value in (("block_timeout", block_timeout), ("interval", interval)):
+            if type(value) not in (int, float) or not 0 < value <= 3600:
+                raise ConfigError(f"sink {what} must be a number of seconds above 0 and at most 3600, got {value!r}")
         self.sink = sink
         self.log = log
         self.name = name or getattr(sink, "name", None) or type(sink).__name__

@@ -213,8 +213,27 @@ def test_a_sink_on_the_smallest_ring_may_fall_half_of_it_behind() -> None:
     assert runner.stats()["dropped"] == 0
     assert [e.seq for e in sink.events] == list(range(1500))
     assert runner.batch_size == 2048 and runner.max_queue == 2048
-    with pytest.raises(ConfigError, match=r"batch_size must be between 1 and 2048 \(half the log's ring of 4096\), got 4096"):
+    with pytest.raises(
+        ConfigError, match=r"batch_size must be an int between 1 and 2048 \(half the log's ring of 4096\), got 4096"
+    ):
         EventLog(ring_size=1 << 12).add_sink(ListSink(), batch_size=4096)
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, "10", True])
+def test_a_batch_size_that_is_not_a_whole_number_in_range_is_rejected(bad: object) -> None:
+    log = EventLog()
+    with pytest.raises(ConfigError, match=rf"sink batch_size must be an int between 1 and 32768 .*got {bad!r}$"):
+        log.add_sink(ListSink(), batch_size=bad)
+    assert log._sinks == []  # no runner was started
+
+
+@pytest.mark.parametrize("option", ["block_timeout", "interval"])
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 7200, "1", None])
+def test_a_runner_wait_that_is_not_a_positive_number_of_seconds_is_rejected(option: str, bad: object) -> None:
+    log = EventLog()
+    with pytest.raises(ConfigError, match=rf"sink {option} must be a number of seconds above 0 and at most 3600, got "):
+        log.add_sink(ListSink(), **{option: bad})
+    assert log._sinks == []  # no runner was started
 
 
 def test_unknown_policy_is_rejected() -> None:
