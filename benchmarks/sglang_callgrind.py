@@ -4,6 +4,8 @@ Run by a Python that has SGLang (``make sglang``), with valgrind and a C compile
 
     .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py [--profiles metrics audit] > cg.json
     .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py --profiles metrics --leave-out copy record
+    .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py --profiles metrics --by-code
+    .sglang/0.5.23/bin/python benchmarks/sglang_callgrind.py --profiles metrics --opcodes
 
 ``hicache-obs bench``'s ``sglang.profiles`` measure times the controller thread, and on a
 shared 2-core machine its medians move by a few hundredths from run to run: a change worth
@@ -18,7 +20,13 @@ requests (a small library compiled here from valgrind's ``callgrind.h``).
 It prints one JSON object: per kind the controller thread's instructions (``Ir``), its
 level-1 and last-level cache misses, and ``cycles``, callgrind's estimate
 ``Ir + 10 * (L1 misses) + 100 * (last-level misses)``; per profile ``ratio``, its cycles over
-bare's, and ``per_op_instructions``, the instructions it adds to an operation. Two runs on
+bare's, and ``per_op_instructions``, the instructions it adds to an operation; with
+``--by-code``, ``per_op_instructions_by_code``: the same split by the code that ran them
+(:data:`CODE`), from each function's own instructions (``callgrind_annotate``).
+``--opcodes`` counts, instead of instructions, the bytecode steps the controller's thread
+runs in each Python function (``sys.settrace`` opcode events, no valgrind): per profile
+``per_op_opcodes``, ``per_op_calls`` and ``by_function``, what each function adds to an
+operation, most first. Two runs on
 one tree give the same instructions within about 0.2 %, however busy the machine: the log
 hands events to the sink host every 25 events (about what a real serving's 50 ms cadence
 gives), never on time. The estimate leaves out what a real CPU's branch predictors,
@@ -30,10 +38,12 @@ one the targets are judged on.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import gc
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +67,21 @@ PARTS = {
     "move": "the op-level move hook",
     "events": "the log's emit (the hooks still make the events' fields)",
 }
+#: what ``--by-code`` splits an operation's added instructions into, by the code that ran them
+CODE = {
+    "bytecode": "CPython's bytecode loop: the steps of Python functions themselves",
+    "cpython": "the rest of CPython: calls, attribute and dict lookups, objects made and freed",
+    "memory": "CPython's object allocator and garbage collector",
+    "hicache_obs_c": "this project's compiled pieces (_slots, _logcore, _copy)",
+    "msgspec": "msgspec: the events encoded for the sink host, the event structs made",
+    "torch": "torch: its Python bindings (tensor reads) and kernels",
+    "other": "everything else (libc, the loader, other extension modules)",
+}
+_FUNCTION_LINE = re.compile(r"^\s*([\d,]+)\s.*?\s(\S+?):(.+?)(?: \[(.+)\])?\s*$")
+_CPYTHON_SOURCE = re.compile(r"/(Include|Objects|Python|Modules|Parser)/")
 OPS_LINE = "hicache-callgrind-ops"  # an instrumented child's count of the operations it served
+OPCODES_LINE = "hicache-callgrind-opcodes"  # a child's steps and calls per function (--opcodes)
+_ROOT = str(Path(__file__).resolve().parents[1]) + os.sep
 # The log hands events to the sink host every 50 ms of wall time (or 256 events): about every
 # 25 events in a real serving of the plan (some 350 events in about 0.7 s), about every event
 # under valgrind's slowdown, and as often as the machine is busy. Counted, it hands off every
@@ -97,9 +121,66 @@ def _leave_out(part: str) -> None:
         Instrumentation._move_wrapper = lambda self, takes_op: same  # type: ignore[method-assign]  # noqa: SLF001
 
 
-def _child(kind: str, lib: Path, audit_sample: float, leave_out: str | None = None) -> None:
-    """Serve the plan once, counted, under ``kind`` (run inside valgrind), with ``leave_out``
-    (of :data:`PARTS`) a pass-through."""
+def function_name(code: Any) -> str:
+    """``path:qualified name`` of a code object, its path below ``site-packages`` or this
+    repository where it lies there."""
+    path = code.co_filename
+    if "site-packages" + os.sep in path:
+        path = path.split("site-packages" + os.sep, 1)[1]
+    elif path.startswith(_ROOT):
+        path = path[len(_ROOT) :]
+    return f"{path}:{code.co_qualname}"
+
+
+class OpcodeCount:
+    """The bytecode steps and calls of each Python function run on the thread that starts
+    it, while it runs (``sys.settrace`` with opcode events: some 50 times slower)."""
+
+    def __init__(self) -> None:
+        self.steps: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._names: dict[Any, str] = {}
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        name = self._names.get(code)
+        if name is None:
+            name = self._names[code] = function_name(code)
+        if event == "opcode":
+            self.steps[name] += 1
+        elif event == "call":
+            self.calls[name] += 1
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+        return self._trace
+
+    def __enter__(self) -> OpcodeCount:
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.settrace(None)
+
+
+def added_by_function(
+    profile: dict[str, list[int]], bare: dict[str, list[int]], ops: int
+) -> list[tuple[str, float, float]]:
+    """``(function, steps, calls)`` that ``profile``'s count adds to bare's, per operation, each
+    function whose steps or calls differ, most steps first."""
+    out = []
+    for name in profile.keys() | bare.keys():
+        steps = profile.get(name, [0, 0])[0] - bare.get(name, [0, 0])[0]
+        calls = profile.get(name, [0, 0])[1] - bare.get(name, [0, 0])[1]
+        if steps or calls:
+            out.append((name, round(steps / ops, 1), round(calls / ops, 2)))
+    return sorted(out, key=lambda t: (-t[1], t[0]))
+
+
+def _child(
+    kind: str, lib: Path | None, audit_sample: float, leave_out: str | None = None, opcodes: bool = False
+) -> None:
+    """Serve the plan once, counted, under ``kind`` (run inside valgrind, or with ``opcodes``
+    under :class:`OpcodeCount`), with ``leave_out`` (of :data:`PARTS`) a pass-through."""
     import torch
 
     from hicache_obs.core._spec import ModelSpec
@@ -124,7 +205,7 @@ def _child(kind: str, lib: Path, audit_sample: float, leave_out: str | None = No
     deferred.WAKE_S = 30.0
     if leave_out is not None:
         _leave_out(leave_out)
-    counting = ctypes.CDLL(str(lib))
+    counting = ctypes.CDLL(str(lib)) if lib is not None else None
     prepare("cpu")
     spec = ModelSpec.tiny_hybrid()
     plan = _conversation_plan(144, 8, spec.page_size)
@@ -163,9 +244,15 @@ def _child(kind: str, lib: Path, audit_sample: float, leave_out: str | None = No
                 torch.Tensor.record_stream = torch.Tensor.record_stream.__wrapped__  # type: ignore[attr-defined]
         gc.collect()
         gc.freeze()
-        counting.counting_on()
-        serve(th)
-        counting.counting_off()
+        if counting is not None:
+            counting.counting_on()
+            serve(th)
+            counting.counting_off()
+        else:
+            with OpcodeCount() as count:
+                serve(th)
+            steps = {name: [count.steps[name], count.calls[name]] for name in count.steps.keys() | count.calls.keys()}
+            print(f"{OPCODES_LINE} {json.dumps(steps)}", flush=True)
         if inst is not None:
             served = log.events()
             inst.detach()
@@ -181,6 +268,56 @@ def _child(kind: str, lib: Path, audit_sample: float, leave_out: str | None = No
     shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def code_of(source: str, function: str, obj: str, python: str) -> str:
+    """Which :data:`CODE` group a function's own instructions belong to: ``source`` and
+    ``obj`` as ``callgrind_annotate`` names them (``obj`` empty for code inlined into
+    another function), ``python`` the interpreter's executable (a static CPython's
+    functions lie in it)."""
+    where = f"{source} {obj}"
+    if function.startswith("_PyEval_EvalFrameDefault"):
+        return "bytecode"
+    if "/msgspec/" in where:
+        return "msgspec"
+    if "/torch/" in where:
+        return "torch"
+    if re.search(r"hicache_obs/_(slots|logcore|copy)[.c]", where):
+        return "hicache_obs_c"
+    if os.path.basename(source) in ("obmalloc.c", "gcmodule.c"):
+        return "memory"
+    name = os.path.basename(obj)
+    if name.startswith("libpython") or (obj and obj == python) or (not obj and _CPYTHON_SOURCE.search(source)):
+        return "cpython"
+    return "other"
+
+
+def by_code(annotated: str, python: str) -> dict[str, int]:
+    """The instructions of ``callgrind_annotate --threshold=100 --auto=no`` output, summed
+    per :data:`CODE` group (every function's own count, once)."""
+    out = dict.fromkeys(CODE, 0)
+    table = False
+    for line in annotated.splitlines():
+        if "file:function" in line:
+            table = True
+            continue
+        if not table or "PROGRAM TOTALS" in line:
+            continue
+        m = _FUNCTION_LINE.match(line)
+        if m is None:
+            continue
+        count, source, function, obj = m.groups()
+        out[code_of(source, function, obj or "", python)] += int(count.replace(",", ""))
+    return out
+
+
+def _annotated(dump: Path) -> str:
+    done = subprocess.run(
+        ["callgrind_annotate", "--threshold=100", "--auto=no", str(dump)], capture_output=True, text=True
+    )
+    if done.returncode:
+        raise SystemExit(f"sglang_callgrind: callgrind_annotate failed on {dump}: {done.stderr.strip()}")
+    return done.stdout
+
+
 def _summary(path: Path) -> dict[str, int]:
     """The event totals of a callgrind dump."""
     names: list[str] = []
@@ -190,6 +327,48 @@ def _summary(path: Path) -> dict[str, int]:
         elif line.startswith("summary:"):
             return dict(zip(names, (int(v) for v in line.split()[1:])))
     raise SystemExit(f"sglang_callgrind: {path} has no summary line")
+
+
+def _count_opcodes(args: argparse.Namespace) -> dict[str, Any]:
+    """``--opcodes``: each kind served in a child of its own, its Python steps counted."""
+    kinds = ["bare", *args.profiles, *(f"metrics-without-{part}" for part in args.leave_out)]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
+    started = time.monotonic()
+    children = {}
+    for kind in kinds:
+        child, _, part = kind.partition("-without-")
+        cmd = [sys.executable, __file__, "--opcodes", "--child", child, "--audit-sample", str(args.audit_sample)]
+        cmd += ["--child-leaves-out", part] if part else []
+        children[kind] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    counts: dict[str, dict[str, list[int]]] = {}
+    ops: dict[str, int] = {}
+    for kind, proc in children.items():
+        stdout, stderr = proc.communicate()
+        if proc.returncode:
+            tail = stderr.splitlines()[-15:]
+            raise SystemExit(f"sglang_callgrind: the {kind} run exited with {proc.returncode}:\n" + "\n".join(tail))
+        for line in stdout.splitlines():
+            if line.startswith(OPCODES_LINE + " "):
+                counts[kind] = json.loads(line[len(OPCODES_LINE) + 1 :])
+            elif line.startswith(OPS_LINE + " "):
+                ops[kind] = int(line.split()[1])
+        if kind not in counts:
+            raise SystemExit(f"sglang_callgrind: the {kind} run printed no opcode count")
+    out: dict[str, Any] = {"wall_s": round(time.monotonic() - started, 1)}
+    for kind in kinds:
+        out[kind] = {
+            "opcodes": sum(v[0] for v in counts[kind].values()),
+            "calls": sum(v[1] for v in counts[kind].values()),
+        }
+    for kind in kinds[1:]:
+        n = ops.get(kind) or ops.get("metrics")
+        if not n:
+            raise SystemExit(f"sglang_callgrind: the {kind} run did not say how many operations it served")
+        out[kind]["ops"] = n
+        out[kind]["per_op_opcodes"] = round((out[kind]["opcodes"] - out["bare"]["opcodes"]) / n, 1)
+        out[kind]["per_op_calls"] = round((out[kind]["calls"] - out["bare"]["calls"]) / n, 2)
+        out[kind]["by_function"] = added_by_function(counts[kind], counts["bare"], n)
+    return out
 
 
 def main() -> None:
@@ -204,15 +383,31 @@ def main() -> None:
         metavar="PART",
         help="also count metrics with each PART a pass-through: " + "; ".join(f"{k}: {v}" for k, v in PARTS.items()),
     )
+    ap.add_argument(
+        "--by-code",
+        action="store_true",
+        help="also split each profile's added instructions by the code that ran them: "
+        + "; ".join(f"{k}: {v}" for k, v in CODE.items()),
+    )
+    ap.add_argument(
+        "--opcodes",
+        action="store_true",
+        help="count each Python function's bytecode steps on the controller's thread instead (no valgrind)",
+    )
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--child-leaves-out", choices=sorted(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--lib", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        _child(args.child, args.lib, args.audit_sample, args.child_leaves_out)
+        _child(args.child, None if args.opcodes else args.lib, args.audit_sample, args.child_leaves_out, args.opcodes)
         return
     if args.leave_out and "metrics" not in args.profiles:
         args.profiles.append("metrics")  # what a part's count is read against
+    if args.opcodes:
+        if args.by_code:
+            raise SystemExit("sglang_callgrind: --by-code splits callgrind's instructions; --opcodes counts none")
+        print(json.dumps(_count_opcodes(args), indent=1))
+        return
     if shutil.which("valgrind") is None:
         raise SystemExit("sglang_callgrind: valgrind is not installed (Debian: apt-get install valgrind)")
     work = Path(tempfile.mkdtemp(prefix="hicache-callgrind-"))
@@ -239,6 +434,8 @@ def main() -> None:
                 tail = (work / f"{kind}.log").read_text().splitlines()[-15:]
                 raise SystemExit(f"sglang_callgrind: the {kind} run exited with {rc}:\n" + "\n".join(tail))
         out: dict[str, Any] = {"wall_s": round(time.monotonic() - started, 1)}
+        codes: dict[str, dict[str, int]] = {}
+        python = os.path.realpath(sys.executable)
         for kind, (proc, _) in children.items():
             dumps = sorted(work.glob(f"{kind}.{proc.pid}.1-01"))  # the counted serving, the controller's thread
             if not dumps:
@@ -247,6 +444,8 @@ def main() -> None:
             l1 = s.get("I1mr", 0) + s.get("D1mr", 0) + s.get("D1mw", 0)
             ll = s.get("ILmr", 0) + s.get("DLmr", 0) + s.get("DLmw", 0)
             out[kind] = {"Ir": s["Ir"], "l1_misses": l1, "ll_misses": ll, "cycles": s["Ir"] + 10 * l1 + 100 * ll}
+            if args.by_code and not kind.partition("-without-")[2]:
+                codes[kind] = by_code(_annotated(dumps[0]), python)
         for kind in args.profiles:
             said = [ln.split()[1] for ln in (work / f"{kind}.log").read_text().splitlines() if ln.startswith(OPS_LINE)]
             if not said or not int(said[-1]):
@@ -255,6 +454,10 @@ def main() -> None:
             out[kind]["ops"] = ops
             out[kind]["ratio"] = round(out[kind]["cycles"] / out["bare"]["cycles"], 4)
             out[kind]["per_op_instructions"] = round((out[kind]["Ir"] - out["bare"]["Ir"]) / ops)
+            if args.by_code:
+                out[kind]["per_op_instructions_by_code"] = {
+                    code: round((codes[kind][code] - codes["bare"][code]) / ops) for code in CODE
+                }
         for part in args.leave_out:
             kind, ops = f"metrics-without-{part}", out["metrics"]["ops"]
             out[kind]["per_op_instructions"] = round((out[kind]["Ir"] - out["bare"]["Ir"]) / ops)
