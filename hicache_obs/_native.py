@@ -11,8 +11,9 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`device_of`,
   :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
-  copy hook (:func:`copy_hook`) and its conversion watch's observer (:func:`conversion_observer`);
-  twin: ``hicache_obs/events/_slots_py.py``.
+  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`)
+  and its read of an allocator's free lists (:func:`read_free_lists`); twin:
+  ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
 
@@ -59,6 +60,7 @@ __all__ = [
     "meta_ref",
     "op_tensors",
     "pair_runs_of",
+    "read_free_lists",
     "received",
     "record_observer",
     "recorded",
@@ -180,6 +182,7 @@ recording = _slots.recording
 op_tensors = _slots.op_tensors
 device_changes = _slots.device_changes
 received = _slots.received
+read_free_lists = _slots.read_free_lists
 meta_ref = _slots.meta_ref
 device_of = _slots.device_of
 copy_hook = _slots.copy_hook

@@ -1623,6 +1623,107 @@ fail:
     return NULL;
 }
 
+/* read_free_lists(obj, head, rest, tensor_type): one read of an allocator's free lists, as the
+ * SGLang adapter's _FreeList keeps them: (the first list, the others, how many pages or slots
+ * they hold). The first list (attribute head) stays a tensor_type, or becomes a tuple of its
+ * values (a list of ints changes in place). Each (name, counter) of rest: a list is kept as
+ * (list, its length) and counts obj.<counter> where that is an int, else the numel() of its
+ * parts; a missing or None attribute is None; anything else is kept and counts its numel(). */
+static PyObject *read_free_lists(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("read_free_lists", nargs, 4) < 0)
+        return NULL;
+    PyObject *obj = args[0], *rest = args[2], *tensor_type = args[3];
+    if (!PyTuple_Check(rest)) {
+        PyErr_SetString(PyExc_TypeError, "read_free_lists(): rest is a tuple of (name, counter)");
+        return NULL;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(rest);
+    PyObject *head = NULL, *n = NULL, *parts = NULL, *v = NULL, *add = NULL;
+    head = PyObject_GetAttr(obj, args[1]);
+    if (!head)
+        return NULL;
+    int is = PyObject_IsInstance(head, tensor_type);
+    if (is < 0)
+        goto fail;
+    if (is) {
+        n = PyObject_CallMethodNoArgs(head, s_numel);
+    } else {
+        int truth = PyObject_IsTrue(head);
+        if (truth < 0)
+            goto fail;
+        PyObject *values = truth ? PySequence_Tuple(head) : PyTuple_New(0);
+        if (!values)
+            goto fail;
+        Py_SETREF(head, values);
+        n = PyLong_FromSsize_t(PyTuple_GET_SIZE(head));
+    }
+    if (!n || !(parts = PyTuple_New(k)))
+        goto fail;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *pair = PyTuple_GET_ITEM(rest, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "read_free_lists(): rest is a tuple of (name, counter)");
+            goto fail;
+        }
+        PyObject *name = PyTuple_GET_ITEM(pair, 0), *counter = PyTuple_GET_ITEM(pair, 1);
+        if (!(v = attr_or_none(obj, name)))
+            goto fail;
+        PyObject *part;
+        if (PyList_Check(v)) {
+            PyObject *held = NULL;
+            int named = PyObject_IsTrue(counter);
+            if (named < 0 || (named && !(held = attr_or_none(obj, counter))))
+                goto fail;
+            if (held && PyLong_Check(held)) {
+                add = held;
+            } else {
+                Py_XDECREF(held);
+                if (!(add = PyLong_FromLong(0)))
+                    goto fail;
+                for (Py_ssize_t j = 0; j < PyList_GET_SIZE(v); j++) { /* as sum() iterates it */
+                    PyObject *x = Py_NewRef(PyList_GET_ITEM(v, j));
+                    PyObject *m = PyObject_CallMethodNoArgs(x, s_numel);
+                    Py_DECREF(x);
+                    PyObject *sum = m ? PyNumber_Add(add, m) : NULL;
+                    Py_XDECREF(m);
+                    Py_SETREF(add, sum);
+                    if (!add)
+                        goto fail;
+                }
+            }
+            Py_ssize_t len = PyObject_Length(v);
+            part = len < 0 ? NULL : Py_BuildValue("(On)", v, len);
+        } else {
+            if (v != Py_None && !(add = PyObject_CallMethodNoArgs(v, s_numel)))
+                goto fail;
+            part = Py_NewRef(v);
+        }
+        if (!part)
+            goto fail;
+        PyTuple_SET_ITEM(parts, i, part);
+        Py_CLEAR(v);
+        if (add) {
+            PyObject *sum = PyNumber_Add(n, add);
+            Py_CLEAR(add);
+            if (!sum)
+                goto fail;
+            Py_SETREF(n, sum);
+        }
+    }
+    PyObject *out = PyTuple_Pack(3, head, parts, n);
+    Py_DECREF(head);
+    Py_DECREF(parts);
+    Py_DECREF(n);
+    return out;
+fail:
+    Py_XDECREF(head);
+    Py_XDECREF(n);
+    Py_XDECREF(parts);
+    Py_XDECREF(v);
+    Py_XDECREF(add);
+    return NULL;
+}
+
 /* ---------------------------------------------------------------- the record observer
  *
  * RecordObserver(original, current): what the SGLang adapter puts as
@@ -2056,6 +2157,10 @@ static PyMethodDef module_methods[] = {
     {"received", (PyCFunction)(void (*)(void))received, METH_FASTCALL,
      "received(uses, pool, host, device, tensor_type, /)\n--\n\nA copy's index tensors noted as uses[(pool, "
      "role)] where not there yet; {id(tensor): (role, tensor)} of those that do not report is_cuda."},
+    {"read_free_lists", (PyCFunction)(void (*)(void))read_free_lists, METH_FASTCALL,
+     "read_free_lists(obj, head, rest, tensor_type, /)\n--\n\n(the first list, the others, how many pages or "
+     "slots they hold): one read of an allocator's free lists, kept by reference (a list of parts as (list, its "
+     "length)), never by value."},
     {"dlpack_facts", dlpack_facts, METH_O,
      "dlpack_facts(capsule, /)\n--\n\n(device_type, device_id, numel, dtype_code, dtype_bits, ptr, runs) of the "
      "tensor an unconsumed \"dltensor\" capsule holds; runs (of its values, read in place) where they are host "

@@ -33,6 +33,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   here; types in C).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
+- ``read_free_lists``: one read of an allocator's free lists, by reference (the SGLang
+  adapter's ``_FreeList``, around each call that can change them).
 
 Its one difference: memory. A freed page costs a dict entry here (about 100 bytes) where
 the C lists cost 10 bytes a page, so a replay of pools of tens of millions of slots, all
@@ -831,6 +833,39 @@ def received(uses: Any, pool: Any, host: Any, device: Any, tensor_type: Any, /) 
             if not t.is_cuda:
                 watched[id(t)] = (role, t)
     return watched
+
+
+def read_free_lists(obj: Any, head: Any, rest: Any, tensor_type: Any, /) -> tuple[Any, tuple[Any, ...], Any]:
+    """One read of an allocator's free lists, as the SGLang adapter's ``_FreeList`` keeps them:
+    (the first list, the others, how many pages or slots they hold). The first list (attribute
+    ``head``) stays a ``tensor_type``, or becomes a tuple of its values (a list of ints changes
+    in place). Each ``(name, counter)`` of ``rest``: a list is kept as ``(list, its length)`` and
+    counts ``obj.<counter>`` where that is an int, else the ``numel()`` of its parts; a missing
+    or None attribute is None; anything else is kept and counts its ``numel()``. References and
+    lengths only: no value of a tensor is read."""
+    if not isinstance(rest, tuple):
+        raise TypeError("read_free_lists(): rest is a tuple of (name, counter)")
+    first = getattr(obj, head)
+    if isinstance(first, tensor_type):
+        n = first.numel()  # the lists are 1-D; numel() is a C call, len() a Python method
+    else:
+        first = tuple(first or ())
+        n = len(first)
+    parts: list[Any] = []
+    for pair in rest:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError("read_free_lists(): rest is a tuple of (name, counter)")
+        name, counter = pair
+        v = getattr(obj, name, None)
+        if isinstance(v, list):
+            held = getattr(obj, counter, None) if counter else None
+            n += held if isinstance(held, int) else sum(x.numel() for x in v)
+            parts.append((v, len(v)))
+        else:
+            if v is not None:
+                n += v.numel()
+            parts.append(v)
+    return first, tuple(parts), n
 
 
 def _names_ok(fn: str, names: Any) -> None:

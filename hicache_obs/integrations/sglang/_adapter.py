@@ -61,6 +61,7 @@ from ..._native import (
     device_of,
     meta_ref,
     op_tensors,
+    read_free_lists,
     received,
     recorded,
     runs_of,
@@ -705,26 +706,9 @@ class _FreeList:
 
     def read(self) -> tuple[Any, tuple[Any, ...], int]:
         """(the first list, the others: a tensor, ``(list, its length)`` or None, how many
-        pages or slots they hold). Read with torch function dispatch off."""
-        obj = self.obj
-        head = getattr(obj, self.head)
-        if isinstance(head, torch.Tensor):
-            n = head.numel()  # the lists are 1-D; numel() is a C call, len() a Python method
-        else:
-            head = tuple(head or ())  # a list of ints changes in place: its values are kept
-            n = len(head)
-        parts: list[Any] = []
-        for name, counter in self.rest:
-            v = getattr(obj, name, None)
-            if isinstance(v, list):
-                held = getattr(obj, counter, None) if counter else None
-                n += held if isinstance(held, int) else sum(x.numel() for x in v)
-                parts.append((v, len(v)))
-            else:
-                if v is not None:
-                    n += v.numel()
-                parts.append(v)
-        return head, tuple(parts), n
+        pages or slots they hold; :func:`~hicache_obs._native.read_free_lists`). Read with
+        torch function dispatch off."""
+        return read_free_lists(self.obj, self.head, self.rest, torch.Tensor)  # type: ignore[no-any-return]
 
     @staticmethod
     def _same_rest(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
