@@ -11,8 +11,9 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`device_of`,
   :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
-  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`)
-  and its read of an allocator's free lists (:func:`read_free_lists`); twin:
+  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`),
+  its guard of an allocator's calls (:func:`slot_guard`) and its read of the allocator's free
+  lists (:func:`read_free_lists`); twin:
   ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
@@ -67,6 +68,7 @@ __all__ = [
     "recording",
     "runs_of",
     "side_runs",
+    "slot_guard",
     "slots_by_pool",
     "use_refs",
 ]
@@ -186,6 +188,7 @@ read_free_lists = _slots.read_free_lists
 meta_ref = _slots.meta_ref
 device_of = _slots.device_of
 copy_hook = _slots.copy_hook
+slot_guard = _slots.slot_guard
 conversion_observer = _slots.conversion_observer
 slots_by_pool = _slots.slots_by_pool
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch

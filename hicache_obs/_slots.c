@@ -909,7 +909,7 @@ fail:
 static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_ptr, *s_cpu, *s_ptr, *s_kwnames;
 static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
-static PyObject *s_known, *s_thread, *s_describe;
+static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 
 static int adapter_strings(void) {
     struct {
@@ -922,12 +922,15 @@ static int adapter_strings(void) {
         {&s_host, "host"}, {&s_sub, "sub"}, {&s_records, "records"},
         {&s_append, "append"}, {&s_pool_transfers, "pool_transfers"}, {&s_indices_from_pool, "indices_from_pool"},
         {&s_copied, "copied"}, {&s_known, "known"}, {&s_thread, "thread"}, {&s_describe, "describe"},
+        {&s_depth, "depth"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
             return -1;
     s_kwnames = Py_BuildValue("(ssssss)", "pool", "role", "device", "numel", "dtype", "ptr");
-    return s_kwnames ? 0 : -1;
+    s_zero = PyLong_FromLong(0);
+    s_one = PyLong_FromLong(1);
+    return s_kwnames && s_zero && s_one ? 0 : -1;
 }
 
 /* 0 where a function that takes n arguments got nargs of them; else -1 with a TypeError */
@@ -2013,6 +2016,140 @@ static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     return PyObject_CallFunctionObjArgs((PyObject *)&CopyHookType, args[0], args[1], args[2], args[3], NULL);
 }
 
+/* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
+static PyObject *take_error(void) {
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    if (!t)
+        return NULL;
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb && v)
+        PyException_SetTraceback(v, tb);
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+}
+
+/* Raise v (an exception taken by take_error) again, as it was; steals v. */
+static void raise_again(PyObject *v) {
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(v)), v, PyException_GetTraceback(v));
+}
+
+/* Raise the exception being raised with `context` as its __context__ (as Python does for an
+ * error in a finally block or an __exit__); steals context. */
+static void in_context_of(PyObject *context) {
+    if (!context)
+        return;
+    PyObject *v = take_error();
+    if (!v) {
+        Py_DECREF(context);
+        return;
+    }
+    PyException_SetContext(v, context);
+    raise_again(v);
+}
+
+/* `try: <call that gave out> finally: watch.depth = 0` (out NULL: it raised). */
+static PyObject *depth_reset(PyObject *watch, PyObject *out) {
+    PyObject *raised = out ? NULL : take_error();
+    if (PyObject_SetAttr(watch, s_depth, s_zero) < 0) {
+        Py_XDECREF(out);
+        in_context_of(raised);
+        return NULL;
+    }
+    if (raised)
+        raise_again(raised);
+    return out;
+}
+
+/* The end of `with lock:` around a call that gave out (NULL: it raised): lock.__exit__ with
+ * that exception, or three Nones. A true answer swallows the exception (the call then gives
+ * None); an error of __exit__ is raised in the context of the call's. */
+static PyObject *lock_exit(PyObject *lock, PyObject *out) {
+    PyObject *raised = out ? NULL : take_error();
+    PyObject *args[4] = {lock, Py_None, Py_None, Py_None};
+    if (raised) {
+        args[1] = (PyObject *)Py_TYPE(raised);
+        args[2] = raised;
+        PyObject *tb = PyException_GetTraceback(raised); /* new reference, or NULL */
+        args[3] = tb ? tb : Py_None;
+        PyObject *r = PyObject_VectorcallMethod(s_exit, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(tb);
+        int swallow = r ? PyObject_IsTrue(r) : -1;
+        Py_XDECREF(r);
+        if (swallow < 0) {
+            in_context_of(raised);
+            return NULL;
+        }
+        if (swallow) {
+            Py_DECREF(raised);
+            Py_RETURN_NONE;
+        }
+        raise_again(raised);
+        return NULL;
+    }
+    PyObject *r = PyObject_VectorcallMethod(s_exit, args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (!r) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return out;
+}
+
+/* SlotGuard(original, hook, watch, lock): what the SGLang adapter puts as an allocator call
+ * that can change its free lists. A call holds lock (`with lock:`); inside another such call
+ * (watch.depth true: an allocation's own merge, a group's free inside its end) it is
+ * original's as it came; else hook's, with watch.depth 1 for its length, 0 after. */
+static PyObject *slot_guard_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *original = Py_NewRef(self->refs[0]), *hook = Py_NewRef(self->refs[1]);
+    PyObject *watch = Py_NewRef(self->refs[2]), *lock = Py_NewRef(self->refs[3]);
+    PyObject *out = NULL;
+    PyObject *entered = PyObject_VectorcallMethod(s_enter, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (!entered)
+        goto done;
+    Py_DECREF(entered);
+    PyObject *depth = PyObject_GetAttr(watch, s_depth);
+    int busy = depth ? PyObject_IsTrue(depth) : -1;
+    Py_XDECREF(depth);
+    if (busy > 0) {
+        out = PyObject_Vectorcall(original, args, nargsf, kwnames);
+    } else if (busy == 0 && PyObject_SetAttr(watch, s_depth, s_one) == 0) {
+        out = PyObject_Vectorcall(hook, args, nargsf, kwnames);
+        out = depth_reset(watch, out);
+    }
+    out = lock_exit(lock, out);
+done:
+    Py_DECREF(original);
+    Py_DECREF(hook);
+    Py_DECREF(watch);
+    Py_DECREF(lock);
+    return out;
+}
+
+static PyObject *slot_guard_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *refs[4];
+    static char *kw[] = {"original", "hook", "watch", "lock", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:SlotGuard", kw, &refs[0], &refs[1], &refs[2], &refs[3]))
+        return NULL;
+    if (!PyCallable_Check(refs[0]) || !PyCallable_Check(refs[1])) {
+        PyErr_Format(PyExc_TypeError, "SlotGuard(): original (the allocator's call) and hook are callables, got %R and %R",
+                     refs[0], refs[1]);
+        return NULL;
+    }
+    return hook_new(type, (vectorcallfunc)slot_guard_call, 4, refs);
+}
+
+HOOK_TYPE(SlotGuardType, "SlotGuard", slot_guard_new);
+
+static PyObject *slot_guard(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("slot_guard", nargs, 4) < 0)
+        return NULL;
+    return PyObject_CallFunctionObjArgs((PyObject *)&SlotGuardType, args[0], args[1], args[2], args[3], NULL);
+}
+
 /* ConversionObserver(method, src, role, watch, tensor_type): what the SGLang adapter's
  * conversion watch puts as src.to / src.cuda for the length of one copy call. A call is
  * method(src, ...) as it came; where that returned a tensor_type other than src, on the
@@ -2141,6 +2278,10 @@ static PyMethodDef module_methods[] = {
      "copy_hook(original, current, pool, first, /)\n--\n\nWhat the SGLang adapter puts as a host pool's copy: "
      "original's call outside a submission or for index tensors the submission's copies had already (its "
      "copied), else first's."},
+    {"slot_guard", (PyCFunction)(void (*)(void))slot_guard, METH_FASTCALL,
+     "slot_guard(original, hook, watch, lock, /)\n--\n\nWhat the SGLang adapter puts as an allocator call that can "
+     "change its free lists: with lock held, original's call inside another (watch.depth true), else hook's with "
+     "watch.depth 1 for its length."},
     {"conversion_observer", (PyCFunction)(void (*)(void))conversion_observer, METH_FASTCALL,
      "conversion_observer(method, src, role, watch, tensor_type, /)\n--\n\nWhat the SGLang adapter's conversion "
      "watch puts as src.to / src.cuda: method(src, ...), described by watch.describe(src, out, role) where it gave "
@@ -2223,6 +2364,7 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&SlotMapType, "SlotMap"},
         {&RecordObserverType, "RecordObserver"},
         {&CopyHookType, "CopyHook"},
+        {&SlotGuardType, "SlotGuard"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];

@@ -30,7 +30,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   (``slow``'s here, as in ``use_refs``).
 - ``copy_hook`` / ``conversion_observer``: what the SGLang adapter puts as a host pool's
   copy method, and as ``.to`` / ``.cuda`` of the index tensors a copy received (functions
-  here; types in C).
+  here; types in C); ``slot_guard``: what it puts as an allocator call that can change the
+  free lists (the outermost call, one at a time).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
 - ``read_free_lists``: one read of an allocator's free lists, by reference (the SGLang
@@ -912,6 +913,30 @@ def copy_hook(original: Any, current: Any, pool: Any, first: Any, /) -> Any:
 
     copy.__wrapped__ = original  # type: ignore[attr-defined]
     return copy
+
+
+def slot_guard(original: Any, hook: Any, watch: Any, lock: Any, /) -> Any:
+    """What the SGLang adapter puts as an allocator call that can change its free lists: a call
+    holds ``lock``; inside another such call (``watch.depth`` true: an allocation's own merge,
+    a group's free inside its end) it is ``original``'s as it came, else ``hook``'s, with
+    ``watch.depth`` 1 for its length and 0 after."""
+    if not callable(original) or not callable(hook):
+        raise TypeError(
+            f"SlotGuard(): original (the allocator's call) and hook are callables, got {original!r} and {hook!r}"
+        )
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            if watch.depth:
+                return original(*args, **kwargs)
+            watch.depth = 1
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                watch.depth = 0
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    return call
 
 
 def slots_by_pool(op: Any, anchor: Any, pool_names: Any, pool_name: Any, /) -> tuple[tuple[Any, int], ...]:

@@ -65,6 +65,7 @@ from ..._native import (
     received,
     recorded,
     runs_of,
+    slot_guard,
     slots_by_pool,
     use_refs,
 )
@@ -1229,21 +1230,7 @@ class Instrumentation:
         outermost such call only (an allocation's own merge, a group's free inside its end
         pass straight through), one call at a time (``watch.lock``)."""
         original = getattr(obj, name)
-        hook = make(original)
-        lock = watch.lock
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                if watch.depth:
-                    return original(*args, **kwargs)
-                watch.depth = 1
-                try:
-                    return hook(*args, **kwargs)
-                finally:
-                    watch.depth = 0
-
-        call.__wrapped__ = original  # type: ignore[attr-defined]
-        self._set_hook(obj, name, call)
+        self._set_hook(obj, name, slot_guard(original, make(original), watch, watch.lock))
 
     def _set_hook(self, obj: Any, name: str, wrapper: Callable[..., Any]) -> None:
         had_own = name in getattr(obj, "__dict__", {})
