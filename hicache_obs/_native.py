@@ -9,7 +9,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
-  :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`device_of`,
+  :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`, :func:`device_of`,
   :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
   copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`),
   its guard of an allocator's calls (:func:`slot_guard`) and its read of the allocator's free
@@ -71,6 +71,7 @@ __all__ = [
     "slot_guard",
     "slots_by_pool",
     "use_refs",
+    "value_ref",
 ]
 
 NO_EXTENSIONS_ENV = "HICACHE_OBS_NO_EXTENSIONS"
@@ -186,6 +187,7 @@ device_changes = _slots.device_changes
 received = _slots.received
 read_free_lists = _slots.read_free_lists
 meta_ref = _slots.meta_ref
+value_ref = _slots.value_ref
 device_of = _slots.device_of
 copy_hook = _slots.copy_hook
 slot_guard = _slots.slot_guard

@@ -910,6 +910,7 @@ static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_pt
 static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
+static PyObject *s_int64, *s_int32, *s_value_kwnames;
 
 static int adapter_strings(void) {
     struct {
@@ -922,15 +923,17 @@ static int adapter_strings(void) {
         {&s_host, "host"}, {&s_sub, "sub"}, {&s_records, "records"},
         {&s_append, "append"}, {&s_pool_transfers, "pool_transfers"}, {&s_indices_from_pool, "indices_from_pool"},
         {&s_copied, "copied"}, {&s_known, "known"}, {&s_thread, "thread"}, {&s_describe, "describe"},
-        {&s_depth, "depth"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"},
+        {&s_depth, "depth"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"}, {&s_int64, "int64"},
+        {&s_int32, "int32"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
             return -1;
     s_kwnames = Py_BuildValue("(ssssss)", "pool", "role", "device", "numel", "dtype", "ptr");
+    s_value_kwnames = Py_BuildValue("(sssssss)", "pool", "role", "device", "numel", "dtype", "ptr", "indices");
     s_zero = PyLong_FromLong(0);
     s_one = PyLong_FromLong(1);
-    return s_kwnames && s_zero && s_one ? 0 : -1;
+    return s_kwnames && s_value_kwnames && s_zero && s_one ? 0 : -1;
 }
 
 /* 0 where a function that takes n arguments got nargs of them; else -1 with a TypeError */
@@ -1083,6 +1086,80 @@ fail:
  *   can be (see fast_meta), else slow(t, pool, role). Run with torch function dispatch off.
  * device_of(t, names, slow) -> str
  *   One tensor's device name the fast way (see fast_device), else slow(t). */
+/* value_ref(t, pool, role, dev, values, ref_type, names, to_dlpack, slow): t's TensorRef
+ * with its values, as the SGLang adapter's tensor_ref makes it, for the common tensor: its
+ * device named the fast way (dev None) or given, one DLPack export that torch makes (size,
+ * address, an index dtype, and where values is true, the tensor is on "cpu" and not empty,
+ * the runs of its values). Any other tensor is slow(t, pool, role, dev, values)'s. Run with
+ * torch function dispatch off. */
+static PyObject *value_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("value_ref", nargs, 9) < 0)
+        return NULL;
+    PyObject *t = args[0], *pool = args[1], *role = args[2], *given = args[3], *values = args[4];
+    PyObject *ref_type = args[5], *names = args[6], *to_dlpack = args[7], *slow = args[8];
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 3 || !PyDict_Check(PyTuple_GET_ITEM(names, 1))) {
+        PyErr_SetString(PyExc_TypeError, "value_ref(): names is (dtype names dict, device names dict, device class)");
+        return NULL;
+    }
+    PyObject *dev = NULL, *cap = NULL, *facts = NULL, *ref = NULL;
+    if (given != Py_None)
+        dev = Py_NewRef(given);
+    else if (!(dev = fast_device(t, PyTuple_GET_ITEM(names, 1), PyTuple_GET_ITEM(names, 2))) && PyErr_Occurred())
+        return NULL;
+    if (!dev || to_dlpack == Py_None)
+        goto slow_path;
+    cap = PyObject_CallOneArg(to_dlpack, t);
+    if (!cap) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_TypeError) ||
+            PyErr_ExceptionMatches(PyExc_BufferError) || PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear(); /* torch cannot export it: the tensor's own methods answer */
+            goto slow_path;
+        }
+        goto done;
+    }
+    if (!(facts = dlpack_facts(NULL, cap)))
+        goto done;
+    Py_CLEAR(cap); /* the export is freed here, as the pure path frees it */
+    long code = PyLong_AsLong(PyTuple_GET_ITEM(facts, 3)), bits = PyLong_AsLong(PyTuple_GET_ITEM(facts, 4));
+    long kind = PyLong_AsLong(PyTuple_GET_ITEM(facts, 0));
+    if (PyErr_Occurred())
+        goto done;
+    PyObject *dname = code == 0 && bits == 64 ? s_int64 : code == 0 && bits == 32 ? s_int32 : NULL;
+    if (!dname)
+        goto slow_path; /* not an index dtype: torch's own name */
+    PyObject *numel = PyTuple_GET_ITEM(facts, 2), *runs = Py_None;
+    int want = PyObject_IsTrue(values);
+    if (want < 0)
+        goto done;
+    if (want && PyUnicode_Check(dev) && PyUnicode_CompareWithASCIIString(dev, "cpu") == 0) {
+        int nonzero = PyObject_IsTrue(numel);
+        if (nonzero < 0)
+            goto done;
+        if (nonzero) {
+            runs = PyTuple_GET_ITEM(facts, 6);
+            if (runs == Py_None && (kind == 1 || kind == 3))
+                goto slow_path; /* host values one stride does not walk: read through numpy */
+        }
+    }
+    if (runs != Py_None) {
+        int any = PyObject_IsTrue(runs);
+        if (any < 0)
+            goto done;
+        if (!any)
+            runs = Py_None; /* an empty tensor's () is no values */
+    }
+    PyObject *fields[7] = {pool, role, dev, numel, dname, PyTuple_GET_ITEM(facts, 5), runs};
+    ref = PyObject_Vectorcall(ref_type, fields, 0, s_value_kwnames);
+    goto done;
+slow_path:
+    ref = PyObject_Vectorcall(slow, (PyObject *[]){t, pool, role, given, values}, 5, NULL);
+done:
+    Py_XDECREF(dev);
+    Py_XDECREF(cap);
+    Py_XDECREF(facts);
+    return ref;
+}
+
 static int names_ok(const char *fn, PyObject *names) {
     if (PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 3 && PyDict_Check(PyTuple_GET_ITEM(names, 0)) &&
         PyDict_Check(PyTuple_GET_ITEM(names, 1)))
@@ -2298,6 +2375,10 @@ static PyMethodDef module_methods[] = {
     {"received", (PyCFunction)(void (*)(void))received, METH_FASTCALL,
      "received(uses, pool, host, device, tensor_type, /)\n--\n\nA copy's index tensors noted as uses[(pool, "
      "role)] where not there yet; {id(tensor): (role, tensor)} of those that do not report is_cuda."},
+    {"value_ref", (PyCFunction)(void (*)(void))value_ref, METH_FASTCALL,
+     "value_ref(t, pool, role, dev, values, ref_type, names, to_dlpack, slow, /)\n--\n\nt's TensorRef with its "
+     "values (where values is true and it is on the cpu), read through one DLPack export; slow(t, pool, role, "
+     "dev, values) makes what the export does not give."},
     {"read_free_lists", (PyCFunction)(void (*)(void))read_free_lists, METH_FASTCALL,
      "read_free_lists(obj, head, rest, tensor_type, /)\n--\n\n(the first list, the others, how many pages or "
      "slots they hold): one read of an allocator's free lists, kept by reference (a list of parts as (list, its "

@@ -26,8 +26,8 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
 - ``op_tensors`` / ``device_changes``: an op's index tensors by ``(pool, role)``, and those
   an op-level move put on another device (the SGLang adapter's move hook); ``received``:
   the index tensors a copy received (its copy hook); ``slots_by_pool``: the slots an op
-  moves per pool; ``meta_ref`` / ``device_of``: one tensor's description or device name
-  (``slow``'s here, as in ``use_refs``).
+  moves per pool; ``meta_ref`` / ``value_ref`` / ``device_of``: one tensor's description
+  without or with its values, or its device name (``slow``'s here, as in ``use_refs``).
 - ``copy_hook`` / ``conversion_observer``: what the SGLang adapter puts as a host pool's
   copy method, and as ``.to`` / ``.cuda`` of the index tensors a copy received (functions
   here; types in C); ``slot_guard``: what it puts as an allocator call that can change the
@@ -867,6 +867,17 @@ def read_free_lists(obj: Any, head: Any, rest: Any, tensor_type: Any, /) -> tupl
                 n += v.numel()
             parts.append(v)
     return first, tuple(parts), n
+
+
+def value_ref(
+    t: Any, pool: Any, role: Any, dev: Any, values: Any, ref_type: Any, names: Any, to_dlpack: Any, slow: Any, /
+) -> Any:
+    """``t``'s ``TensorRef`` with its values, as the SGLang adapter's ``tensor_ref`` makes it:
+    ``slow(t, pool, role, dev, values)`` here (``ref_type``, ``names`` and ``to_dlpack`` are
+    what the C module reads the common tensors with)."""
+    if not (isinstance(names, tuple) and len(names) == 3 and isinstance(names[1], dict)):
+        raise TypeError("value_ref(): names is (dtype names dict, device names dict, device class)")
+    return slow(t, pool, role, dev, values)
 
 
 def _names_ok(fn: str, names: Any) -> None:

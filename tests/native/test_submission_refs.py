@@ -467,3 +467,58 @@ def test_conversion_observer_raises_what_the_method_or_the_description_raised(im
 
     with pytest.raises(ValueError, match="no description"):
         impl.conversion_observer(torch.Tensor.to, src, "host", Failing(set()), torch.Tensor)("meta")
+
+
+@st.composite
+def _exported(draw: Any) -> torch.Tensor:
+    """A CPU tensor DLPack exports without runs of its values (a 2-D view across rows, a
+    negative view that must be resolved), or an index tensor it gives runs of."""
+    kind = draw(st.sampled_from(["2d", "neg", "plain"]))
+    n = draw(st.integers(1, 12))
+    t = torch.arange(n * 3, dtype=draw(st.sampled_from([torch.int64, torch.int32]))).reshape(3, n)
+    if kind == "2d":
+        return t[:, ::2]
+    if kind == "neg":
+        return torch.arange(n)._neg_view()
+    return t[0]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@SETTINGS
+@given(
+    t=st.one_of(_tensor(), _exported()),
+    dev=st.sampled_from([None, None, "cpu", "cuda:0", "meta"]),
+    values=st.booleans(),
+)
+def test_value_ref_gives_what_the_pure_description_gives(impl: Any, t: Any, dev: Any, values: bool) -> None:
+    reads = (TensorRef, facts.META_NAMES, facts._TO_DLPACK, facts._tensor_ref)
+    with facts.NO_TORCH_FUNCTION():
+        want = _outcome(facts._tensor_ref, t, "kv", "host", dev, values)
+        got = _outcome(impl.value_ref, t, "kv", "host", dev, values, *reads)
+    assert got == want
+    if want[0] == "ok" and dev in (None, "cpu") and values and not t.is_cuda and t.is_cpu and t.numel():
+        assert got[1].indices == (tuple(facts.host_runs(t)) or None)  # the values, as the adapter reads them
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_value_ref_asks_slow_for_what_the_export_does_not_give(impl: Any) -> None:
+    asked: list[tuple[Any, ...]] = []
+
+    def slow(*args: Any) -> str:
+        asked.append(args)
+        return "slow's"
+
+    exported, named, floats = torch.arange(4), torch.arange(3).as_subclass(_NamedDevice), torch.ones(2)
+    with facts.NO_TORCH_FUNCTION():
+        for t, dev in ((exported, None), (named, None), (floats, "cpu")):
+            got = impl.value_ref(t, "kv", "host", dev, True, TensorRef, facts.META_NAMES, facts._TO_DLPACK, slow)
+            if impl is py_slots or t is not exported:
+                assert got == "slow's" and asked[-1][0] is t and asked[-1][1:] == ("kv", "host", dev, True)
+            else:
+                assert got == TensorRef(
+                    pool="kv", role="host", device="cpu", numel=4, dtype="int64", ptr=t.data_ptr(), indices=((0, 4),)
+                )
+        got = impl.value_ref(exported, "kv", "host", None, True, TensorRef, facts.META_NAMES, None, slow)
+        assert got == "slow's" and asked[-1][3] is None  # no DLPack export in this torch
+    with pytest.raises(TypeError, match=r"value_ref\(\): names is"):
+        impl.value_ref(exported, "kv", "host", None, True, TensorRef, (), facts._TO_DLPACK, slow)

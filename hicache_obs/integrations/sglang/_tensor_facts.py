@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._native import dlpack_facts, runs_of
+from ..._native import dlpack_facts, runs_of, value_ref
 from ...core._torch_compat import no_torch_function, to_dlpack, true_is_cpu
 from ...events._schema import TensorRef
 
@@ -135,19 +135,26 @@ def tensor_meta(t: torch.Tensor, pool: str, role: str) -> TensorRef:
 def tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None = None, values: bool = True) -> TensorRef:
     """The ``TensorRef`` of an index tensor (``dev``: its device name, where the caller has it
     already). Values are in it where ``values`` is set and the tensor reports the CPU and is
-    not empty."""
+    not empty. The common tensor is read in C (:func:`~hicache_obs._native.value_ref`), any
+    other by :func:`_tensor_ref`."""
     with NO_TORCH_FUNCTION():
-        if dev is None:
-            dev = device_name(t)
-        facts = _facts(t)
-        if facts is None:
-            numel = t.numel()
-            ptr = t.data_ptr() if numel else 0
-            dtype = _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
-        else:
-            numel, ptr = facts[2], facts[5]
-            dtype = _DL_DTYPES.get((facts[3], facts[4])) or str(t.dtype).removeprefix("torch.")
-        runs = _runs(t, facts) if values and dev == "cpu" and numel else None
+        return value_ref(t, pool, role, dev, values, TensorRef, META_NAMES, _TO_DLPACK, _tensor_ref)  # type: ignore[no-any-return]
+
+
+def _tensor_ref(t: torch.Tensor, pool: str, role: str, dev: str | None, values: bool) -> TensorRef:
+    """:func:`tensor_ref` read the tensor's own way where DLPack does not say it all (called
+    with torch function dispatch off)."""
+    if dev is None:
+        dev = device_name(t)
+    facts = _facts(t)
+    if facts is None:
+        numel = t.numel()
+        ptr = t.data_ptr() if numel else 0
+        dtype = _DTYPES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+    else:
+        numel, ptr = facts[2], facts[5]
+        dtype = _DL_DTYPES.get((facts[3], facts[4])) or str(t.dtype).removeprefix("torch.")
+    runs = _runs(t, facts) if values and dev == "cpu" and numel else None
     return TensorRef(
         pool=pool,
         role=role,  # type: ignore[arg-type]
