@@ -11,7 +11,8 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`, :func:`device_of`,
   :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
-  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`),
+  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`,
+  put and taken off by :func:`place_observers` and :func:`remove_observers`),
   its guard of an allocator's calls (:func:`slot_guard`) and its read of the allocator's free
   lists (:func:`read_free_lists`); twin:
   ``hicache_obs/events/_slots_py.py``.
@@ -61,11 +62,13 @@ __all__ = [
     "meta_ref",
     "op_tensors",
     "pair_runs_of",
+    "place_observers",
     "read_free_lists",
     "received",
     "record_observer",
     "recorded",
     "recording",
+    "remove_observers",
     "runs_of",
     "side_runs",
     "slot_guard",
@@ -192,6 +195,8 @@ device_of = _slots.device_of
 copy_hook = _slots.copy_hook
 slot_guard = _slots.slot_guard
 conversion_observer = _slots.conversion_observer
+place_observers = _slots.place_observers
+remove_observers = _slots.remove_observers
 slots_by_pool = _slots.slots_by_pool
 #: the compiled copy loop (``copy_runs``), or ``None``: the cpu runtime then copies with torch
 copy: ModuleType | None = _mods["copy"]

@@ -910,7 +910,7 @@ static PyObject *s_is_cuda, *s_is_cpu, *s_device, *s_dtype, *s_numel, *s_data_pt
 static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
-static PyObject *s_int64, *s_int32, *s_value_kwnames;
+static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
 
 static int adapter_strings(void) {
     struct {
@@ -924,7 +924,7 @@ static int adapter_strings(void) {
         {&s_append, "append"}, {&s_pool_transfers, "pool_transfers"}, {&s_indices_from_pool, "indices_from_pool"},
         {&s_copied, "copied"}, {&s_known, "known"}, {&s_thread, "thread"}, {&s_describe, "describe"},
         {&s_depth, "depth"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"}, {&s_int64, "int64"},
-        {&s_int32, "int32"},
+        {&s_int32, "int32"}, {&s_dunder_dict, "__dict__"}, {&s_pop, "pop"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -2312,6 +2312,95 @@ static PyObject *conversion_observer(PyObject *Py_UNUSED(mod), PyObject *const *
                                         args[4], NULL);
 }
 
+/* place_observers(watched, methods, tensor_type, watch, placed): the conversion watch's
+ * entry. For each (role, tensor) of watched.values() that has a __dict__, and each name of
+ * methods not in it already, tensor.__dict__[name] = ConversionObserver(getattr(tensor_type,
+ * name), tensor, role, watch, tensor_type), and (tensor, name) appended to placed. */
+static PyObject *place_observers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("place_observers", nargs, 5) < 0)
+        return NULL;
+    PyObject *watched = args[0], *methods = args[1], *tensor_type = args[2], *watch = args[3], *placed = args[4];
+    if (!PyDict_Check(watched) || !PyTuple_Check(methods) || !PyList_Check(placed)) {
+        PyErr_SetString(PyExc_TypeError, "place_observers(): watched is a dict, methods a tuple, placed a list");
+        return NULL;
+    }
+    PyObject *entries = PyDict_Values(watched); /* a snapshot, as iterating .values() of a dict left as it is */
+    if (!entries)
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++) {
+        PyObject *entry = PyList_GET_ITEM(entries, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2) {
+            PyErr_SetString(PyExc_TypeError, "place_observers(): watched maps to (role, tensor)");
+            goto fail;
+        }
+        PyObject *role = PyTuple_GET_ITEM(entry, 0), *t = PyTuple_GET_ITEM(entry, 1);
+        PyObject *d = attr_or_none(t, s_dunder_dict);
+        if (!d)
+            goto fail;
+        if (d == Py_None) {
+            Py_DECREF(d);
+            continue;
+        }
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(methods); k++) {
+            PyObject *name = PyTuple_GET_ITEM(methods, k);
+            int there = PySequence_Contains(d, name);
+            if (there < 0) {
+                Py_DECREF(d);
+                goto fail;
+            }
+            if (there)
+                continue;
+            PyObject *method = PyObject_GetAttr(tensor_type, name);
+            PyObject *observer = method ? PyObject_CallFunctionObjArgs((PyObject *)&ConversionObserverType, method, t,
+                                                                        role, watch, tensor_type, NULL)
+                                        : NULL;
+            Py_XDECREF(method);
+            int r = observer ? PyObject_SetItem(d, name, observer) : -1;
+            Py_XDECREF(observer);
+            PyObject *pair = r < 0 ? NULL : PyTuple_Pack(2, t, name);
+            r = pair ? PyList_Append(placed, pair) : -1;
+            Py_XDECREF(pair);
+            if (r < 0) {
+                Py_DECREF(d);
+                goto fail;
+            }
+        }
+        Py_DECREF(d);
+    }
+    Py_DECREF(entries);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(entries);
+    return NULL;
+}
+
+/* remove_observers(placed): the conversion watch's exit. For each (tensor, name) of placed,
+ * tensor.__dict__.pop(name, None); then placed is emptied. */
+static PyObject *remove_observers(PyObject *Py_UNUSED(mod), PyObject *placed) {
+    if (!PyList_Check(placed)) {
+        PyErr_SetString(PyExc_TypeError, "remove_observers(): placed is a list");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(placed); i++) {
+        PyObject *pair = Py_NewRef(PyList_GET_ITEM(placed, i));
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_TypeError, "remove_observers(): placed holds (tensor, name)");
+            return NULL;
+        }
+        PyObject *d = PyObject_GetAttr(PyTuple_GET_ITEM(pair, 0), s_dunder_dict);
+        PyObject *r = d ? PyObject_CallMethodObjArgs(d, s_pop, PyTuple_GET_ITEM(pair, 1), Py_None, NULL) : NULL;
+        Py_XDECREF(d);
+        Py_DECREF(pair);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
+    if (PyList_SetSlice(placed, 0, PyList_GET_SIZE(placed), NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *recording(PyObject *Py_UNUSED(mod), PyObject *Py_UNUSED(ignored)) {
     return PyBool_FromLong(recording_here);
 }
@@ -2363,6 +2452,13 @@ static PyMethodDef module_methods[] = {
      "conversion_observer(method, src, role, watch, tensor_type, /)\n--\n\nWhat the SGLang adapter's conversion "
      "watch puts as src.to / src.cuda: method(src, ...), described by watch.describe(src, out, role) where it gave "
      "another tensor on the watch's thread for a role not in watch.known."},
+    {"place_observers", (PyCFunction)(void (*)(void))place_observers, METH_FASTCALL,
+     "place_observers(watched, methods, tensor_type, watch, placed, /)\n--\n\nThe conversion watch's entry: a "
+     "ConversionObserver as each method named in methods, in the __dict__ of each tensor of watched.values() (not "
+     "over one there already), each (tensor, name) appended to placed."},
+    {"remove_observers", remove_observers, METH_O,
+     "remove_observers(placed, /)\n--\n\nThe conversion watch's exit: tensor.__dict__.pop(name, None) for each "
+     "(tensor, name) of placed, then placed emptied."},
     {"slots_by_pool", (PyCFunction)(void (*)(void))slots_by_pool, METH_FASTCALL,
      "slots_by_pool(op, anchor, pool_names, pool_name, /)\n--\n\n((pool, slots), ...) an op moves: the anchor's "
      "host indices, then each transfer's pool (not those whose indices come from another pool)."},

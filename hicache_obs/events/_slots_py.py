@@ -30,7 +30,7 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   without or with its values, or its device name (``slow``'s here, as in ``use_refs``).
 - ``copy_hook`` / ``conversion_observer``: what the SGLang adapter puts as a host pool's
   copy method, and as ``.to`` / ``.cuda`` of the index tensors a copy received (functions
-  here; types in C); ``slot_guard``: what it puts as an allocator call that can change the
+  here; types in C), put and taken off by ``place_observers`` / ``remove_observers``; ``slot_guard``: what it puts as an allocator call that can change the
   free lists (the outermost call, one at a time).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
@@ -924,6 +924,38 @@ def copy_hook(original: Any, current: Any, pool: Any, first: Any, /) -> Any:
 
     copy.__wrapped__ = original  # type: ignore[attr-defined]
     return copy
+
+
+def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:
+    """The SGLang adapter's conversion watch's entry: for each ``(role, tensor)`` of
+    ``watched.values()`` that has a ``__dict__``, and each name of ``methods`` not in it
+    already, ``tensor.__dict__[name]`` is a :func:`conversion_observer` of
+    ``getattr(tensor_type, name)``, and ``(tensor, name)`` is appended to ``placed``."""
+    if not (isinstance(watched, dict) and isinstance(methods, tuple) and isinstance(placed, list)):
+        raise TypeError("place_observers(): watched is a dict, methods a tuple, placed a list")
+    for entry in list(watched.values()):
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            raise TypeError("place_observers(): watched maps to (role, tensor)")
+        role, t = entry
+        d = getattr(t, "__dict__", None)
+        if d is None:
+            continue
+        for name in methods:
+            if name not in d:  # never over something already there
+                d[name] = conversion_observer(getattr(tensor_type, name), t, role, watch, tensor_type)
+                placed.append((t, name))
+
+
+def remove_observers(placed: Any, /) -> None:
+    """The conversion watch's exit: ``tensor.__dict__.pop(name, None)`` for each ``(tensor,
+    name)`` of ``placed``, then ``placed`` emptied."""
+    if not isinstance(placed, list):
+        raise TypeError("remove_observers(): placed is a list")
+    for pair in placed:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError("remove_observers(): placed holds (tensor, name)")
+        pair[0].__dict__.pop(pair[1], None)
+    placed.clear()
 
 
 def slot_guard(original: Any, hook: Any, watch: Any, lock: Any, /) -> Any:

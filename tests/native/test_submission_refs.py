@@ -522,3 +522,38 @@ def test_value_ref_asks_slow_for_what_the_export_does_not_give(impl: Any) -> Non
         assert got == "slow's" and asked[-1][3] is None  # no DLPack export in this torch
     with pytest.raises(TypeError, match=r"value_ref\(\): names is"):
         impl.value_ref(exported, "kv", "host", None, True, TensorRef, (), facts._TO_DLPACK, slow)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_observers_are_placed_on_each_watched_tensor_and_taken_off_again(impl: Any) -> None:
+    host, device, kept = torch.arange(4), torch.arange(3), torch.arange(2)
+    own = kept.to  # something a tensor has there already is never replaced
+    kept.__dict__["to"] = own
+    watch = _Watch(set())
+    watched = {id(host): ("host", host), id(device): ("device", device), id(kept): ("host", kept), 1: ("host", 7)}
+    placed: list[Any] = []
+    assert impl.place_observers(watched, ("to", "cuda"), torch.Tensor, watch, placed) is None
+    assert placed == [(host, "to"), (host, "cuda"), (device, "to"), (device, "cuda"), (kept, "cuda")]
+    assert all(placed_t.__dict__[name].__wrapped__ is getattr(torch.Tensor, name) for placed_t, name in placed)
+    assert kept.__dict__["to"] is own  # an int has no __dict__: passed over
+    out = host.to("meta")
+    assert watch.described == [(host, out, "host")]
+    device.to("meta")
+    assert [role for *_, role in watch.described] == ["host", "device"]
+    assert impl.remove_observers(placed) is None
+    assert placed == [] and "to" not in host.__dict__ and "cuda" not in device.__dict__ and kept.__dict__ == {"to": own}
+    host.to("meta")
+    assert len(watch.described) == 2  # taken off: the class's own method again
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_observers_refuse_what_is_not_a_watch(impl: Any) -> None:
+    t = torch.arange(2)
+    with pytest.raises(TypeError, match=r"place_observers\(\): watched is a dict, methods a tuple, placed a list"):
+        impl.place_observers({}, ["to"], torch.Tensor, _Watch(set()), [])
+    with pytest.raises(TypeError, match=r"watched maps to \(role, tensor\)"):
+        impl.place_observers({1: t}, ("to",), torch.Tensor, _Watch(set()), [])
+    with pytest.raises(TypeError, match=r"remove_observers\(\): placed is a list"):
+        impl.remove_observers(())
+    with pytest.raises(TypeError, match=r"placed holds \(tensor, name\)"):
+        impl.remove_observers([t])

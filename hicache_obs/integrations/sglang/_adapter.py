@@ -55,15 +55,16 @@ import numpy as np
 import torch
 
 from ..._native import (
-    conversion_observer,
     copy_hook,
     device_changes,
     device_of,
     meta_ref,
     op_tensors,
+    place_observers,
     read_free_lists,
     received,
     recorded,
+    remove_observers,
     runs_of,
     slot_guard,
     slots_by_pool,
@@ -250,20 +251,11 @@ class _ConversionWatch:
             self._failed("describe an index tensor a copy moved")
 
     def __enter__(self) -> _ConversionWatch:
-        for role, t in self.watched.values():
-            d = getattr(t, "__dict__", None)
-            if d is None:
-                continue
-            for name in self._METHODS:
-                if name not in d:  # never over something already there
-                    d[name] = conversion_observer(getattr(torch.Tensor, name), t, role, self, torch.Tensor)
-                    self._placed.append((t, name))
+        place_observers(self.watched, self._METHODS, torch.Tensor, self, self._placed)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for t, name in self._placed:
-            t.__dict__.pop(name, None)
-        self._placed.clear()
+        remove_observers(self._placed)
 
 
 # ------------------------------------------------------------------ submissions
