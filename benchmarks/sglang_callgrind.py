@@ -329,10 +329,19 @@ def _summary(path: Path) -> dict[str, int]:
     raise SystemExit(f"sglang_callgrind: {path} has no summary line")
 
 
+def _kinds(args: argparse.Namespace) -> list[str]:
+    """The runs to count: bare, each profile, and ``metrics`` with each part left out."""
+    return ["bare", *args.profiles, *(f"metrics-without-{part}" for part in args.leave_out)]
+
+
+def _child_env() -> dict[str, str]:
+    """A child's environment: this one's, with the same hash seed in every run, no warnings."""
+    return {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
+
+
 def _count_opcodes(args: argparse.Namespace) -> dict[str, Any]:
     """``--opcodes``: each kind served in a child of its own, its Python steps counted."""
-    kinds = ["bare", *args.profiles, *(f"metrics-without-{part}" for part in args.leave_out)]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
+    kinds, env = _kinds(args), _child_env()
     started = time.monotonic()
     children = {}
     for kind in kinds:
@@ -413,8 +422,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hicache-callgrind-"))
     try:
         lib = _build_helper(work)
-        kinds = ["bare", *args.profiles, *(f"metrics-without-{part}" for part in args.leave_out)]
-        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore"}
+        kinds, env = _kinds(args), _child_env()
         started = time.monotonic()
         children = {}
         for kind in kinds:
