@@ -1086,6 +1086,46 @@ fail:
  *   can be (see fast_meta), else slow(t, pool, role). Run with torch function dispatch off.
  * device_of(t, names, slow) -> str
  *   One tensor's device name the fast way (see fast_device), else slow(t). */
+static int names_ok(const char *fn, PyObject *names) {
+    if (PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 3 && PyDict_Check(PyTuple_GET_ITEM(names, 0)) &&
+        PyDict_Check(PyTuple_GET_ITEM(names, 1)))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s(): names is (dtype names dict, device names dict, device class)", fn);
+    return -1;
+}
+
+static PyObject *meta_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("meta_ref", nargs, 6) < 0)
+        return NULL;
+    PyObject *t = args[0], *pool = args[1], *role = args[2], *ref_type = args[3], *names = args[4], *slow = args[5];
+    if (names_ok("meta_ref", names) < 0)
+        return NULL;
+    if (!PyCallable_Check(ref_type) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "meta_ref(): ref_type (the TensorRef class) and slow are callables");
+        return NULL;
+    }
+    PyObject *ref = fast_meta(t, pool, role, ref_type, PyTuple_GET_ITEM(names, 0), PyTuple_GET_ITEM(names, 1),
+                              PyTuple_GET_ITEM(names, 2));
+    if (ref || PyErr_Occurred())
+        return ref;
+    return PyObject_CallFunctionObjArgs(slow, t, pool, role, NULL);
+}
+
+static PyObject *device_of(PyObject *t, PyObject *cuda_names, PyObject *device_type, PyObject *slow);
+
+static PyObject *device_name_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("device_of", nargs, 3) < 0)
+        return NULL;
+    PyObject *names = args[1], *slow = args[2];
+    if (names_ok("device_of", names) < 0)
+        return NULL;
+    if (!PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "device_of(): slow is a callable");
+        return NULL;
+    }
+    return device_of(args[0], PyTuple_GET_ITEM(names, 1), PyTuple_GET_ITEM(names, 2), slow);
+}
+
 /* value_ref(t, pool, role, dev, values, ref_type, names, to_dlpack, slow): t's TensorRef
  * with its values, as the SGLang adapter's tensor_ref makes it, for the common tensor: its
  * device named the fast way (dev None) or given, one DLPack export that torch makes (size,
@@ -1158,46 +1198,6 @@ done:
     Py_XDECREF(cap);
     Py_XDECREF(facts);
     return ref;
-}
-
-static int names_ok(const char *fn, PyObject *names) {
-    if (PyTuple_Check(names) && PyTuple_GET_SIZE(names) == 3 && PyDict_Check(PyTuple_GET_ITEM(names, 0)) &&
-        PyDict_Check(PyTuple_GET_ITEM(names, 1)))
-        return 0;
-    PyErr_Format(PyExc_TypeError, "%s(): names is (dtype names dict, device names dict, device class)", fn);
-    return -1;
-}
-
-static PyObject *meta_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (takes("meta_ref", nargs, 6) < 0)
-        return NULL;
-    PyObject *t = args[0], *pool = args[1], *role = args[2], *ref_type = args[3], *names = args[4], *slow = args[5];
-    if (names_ok("meta_ref", names) < 0)
-        return NULL;
-    if (!PyCallable_Check(ref_type) || !PyCallable_Check(slow)) {
-        PyErr_SetString(PyExc_TypeError, "meta_ref(): ref_type (the TensorRef class) and slow are callables");
-        return NULL;
-    }
-    PyObject *ref = fast_meta(t, pool, role, ref_type, PyTuple_GET_ITEM(names, 0), PyTuple_GET_ITEM(names, 1),
-                              PyTuple_GET_ITEM(names, 2));
-    if (ref || PyErr_Occurred())
-        return ref;
-    return PyObject_CallFunctionObjArgs(slow, t, pool, role, NULL);
-}
-
-static PyObject *device_of(PyObject *t, PyObject *cuda_names, PyObject *device_type, PyObject *slow);
-
-static PyObject *device_name_of(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (takes("device_of", nargs, 3) < 0)
-        return NULL;
-    PyObject *names = args[1], *slow = args[2];
-    if (names_ok("device_of", names) < 0)
-        return NULL;
-    if (!PyCallable_Check(slow)) {
-        PyErr_SetString(PyExc_TypeError, "device_of(): slow is a callable");
-        return NULL;
-    }
-    return device_of(args[0], PyTuple_GET_ITEM(names, 1), PyTuple_GET_ITEM(names, 2), slow);
 }
 
 /* recorded(tensors, refs, records, stream, stream_name, stream_names) -> list
