@@ -9,12 +9,12 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   run-length encoding of index values (:func:`runs_of`, :func:`pair_runs_of`,
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
-  :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`, :func:`device_of`,
-  :func:`slots_by_pool`), its ``record_stream`` observer (:func:`record_observer`), its
-  copy hook (:func:`copy_hook`), its conversion watch's observer (:func:`conversion_observer`,
-  put and taken off by :func:`place_observers` and :func:`remove_observers`),
-  its guard of an allocator's calls (:func:`slot_guard`) and its read of the allocator's free
-  lists (:func:`read_free_lists`); twin:
+  :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`,
+  :func:`device_of`, :func:`slots_by_pool`), its ``record_stream`` observer
+  (:func:`record_observer`), its copy hook (:func:`copy_hook`), its conversion watch's
+  observer (:func:`conversion_observer`, put on and taken off by :func:`place_observers`
+  and :func:`remove_observers`), its guard of an allocator's calls (:func:`slot_guard`)
+  and its read of the allocator's free lists (:func:`read_free_lists`); twin:
   ``hicache_obs/events/_slots_py.py``.
 - ``copy`` (``hicache_obs/_copy.c``): the cpu runtime's copy loop; twin: the torch kernels
   of ``hicache_obs/core/_transfer.py`` (:data:`copy` is then ``None``).
