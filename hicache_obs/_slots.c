@@ -1137,10 +1137,8 @@ static PyObject *value_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
         return NULL;
     PyObject *t = args[0], *pool = args[1], *role = args[2], *given = args[3], *values = args[4];
     PyObject *ref_type = args[5], *names = args[6], *to_dlpack = args[7], *slow = args[8];
-    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != 3 || !PyDict_Check(PyTuple_GET_ITEM(names, 1))) {
-        PyErr_SetString(PyExc_TypeError, "value_ref(): names is (dtype names dict, device names dict, device class)");
+    if (names_ok("value_ref", names) < 0)
         return NULL;
-    }
     PyObject *dev = NULL, *cap = NULL, *facts = NULL, *ref = NULL;
     if (given != Py_None)
         dev = Py_NewRef(given);

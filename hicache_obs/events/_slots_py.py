@@ -30,8 +30,9 @@ input included (``tests/native/test_differential_slots.py`` compares the two):
   without or with its values, or its device name (``slow``'s here, as in ``use_refs``).
 - ``copy_hook`` / ``conversion_observer``: what the SGLang adapter puts as a host pool's
   copy method, and as ``.to`` / ``.cuda`` of the index tensors a copy received (functions
-  here; types in C), put and taken off by ``place_observers`` / ``remove_observers``; ``slot_guard``: what it puts as an allocator call that can change the
-  free lists (the outermost call, one at a time).
+  here; types in C), put on and taken off by ``place_observers`` / ``remove_observers``;
+  ``slot_guard``: what it puts as an allocator call that can change the free lists (the
+  outermost call, one at a time).
 - ``record_observer``: what the SGLang adapter puts as ``torch.Tensor.record_stream``
   (a function here; a method descriptor in C).
 - ``read_free_lists``: one read of an allocator's free lists, by reference (the SGLang
@@ -875,8 +876,7 @@ def value_ref(
     """``t``'s ``TensorRef`` with its values, as the SGLang adapter's ``tensor_ref`` makes it:
     ``slow(t, pool, role, dev, values)`` here (``ref_type``, ``names`` and ``to_dlpack`` are
     what the C module reads the common tensors with)."""
-    if not (isinstance(names, tuple) and len(names) == 3 and isinstance(names[1], dict)):
-        raise TypeError("value_ref(): names is (dtype names dict, device names dict, device class)")
+    _names_ok("value_ref", names)
     return slow(t, pool, role, dev, values)
 
 
