@@ -113,8 +113,7 @@ def _leave_out(part: str) -> None:
     if part == "copy":
         Instrumentation._copy_wrapper = lambda self, pool, host_pool: same  # type: ignore[method-assign]  # noqa: SLF001
     elif part == "watch":
-        _ConversionWatch.__enter__ = lambda self: self  # type: ignore[method-assign]
-        _ConversionWatch.__exit__ = lambda self, *exc: None  # type: ignore[method-assign]
+        _ConversionWatch.METHODS = ()  # no observer placed
     elif part == "queues":
         Instrumentation._swap_list = lambda self, obj, attr, observed: None  # type: ignore[method-assign]  # noqa: SLF001
     elif part == "move":

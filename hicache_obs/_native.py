@@ -10,7 +10,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   :func:`side_runs`, :func:`dlpack_facts`) and the SGLang adapter's description of a
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`,
-  :func:`device_of`, :func:`slots_by_pool`), its ``record_stream`` observer
+  :func:`device_of`, :func:`slots_by_pool`, :func:`submission_event`), its ``record_stream`` observer
   (:func:`record_observer`), its copy hook (:func:`copy_hook`), its conversion watch's
   observer (:func:`conversion_observer`, put on and taken off by :func:`place_observers`
   and :func:`remove_observers`), its guard of an allocator's calls (:func:`slot_guard`)
@@ -72,6 +72,7 @@ __all__ = [
     "runs_of",
     "side_runs",
     "slot_guard",
+    "submission_event",
     "slots_by_pool",
     "use_refs",
     "value_ref",
@@ -194,6 +195,7 @@ value_ref = _slots.value_ref
 device_of = _slots.device_of
 copy_hook = _slots.copy_hook
 slot_guard = _slots.slot_guard
+submission_event = _slots.submission_event
 conversion_observer = _slots.conversion_observer
 place_observers = _slots.place_observers
 remove_observers = _slots.remove_observers

@@ -911,6 +911,9 @@ static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
+static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
+static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
+    *s_write_back_jit, *s_add;
 
 static int adapter_strings(void) {
     struct {
@@ -924,16 +927,24 @@ static int adapter_strings(void) {
         {&s_append, "append"}, {&s_pool_transfers, "pool_transfers"}, {&s_indices_from_pool, "indices_from_pool"},
         {&s_copied, "copied"}, {&s_known, "known"}, {&s_thread, "thread"}, {&s_describe, "describe"},
         {&s_depth, "depth"}, {&s_enter, "__enter__"}, {&s_exit, "__exit__"}, {&s_int64, "int64"},
-        {&s_int32, "int32"}, {&s_dunder_dict, "__dict__"}, {&s_pop, "pop"},
+        {&s_int32, "int32"}, {&s_dunder_dict, "__dict__"}, {&s_pop, "pop"}, {&s_uses, "uses"},
+        {&s_direction, "direction"}, {&s_host_indices_on_cpu, "host_indices_on_cpu"}, {&s_side_moves, "side_moves"},
+        {&s_sampled, "sampled"}, {&s_moves, "moves"}, {&s_write_back_jit, "can_use_write_back_jit"}, {&s_add, "add"},
+        {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
             return -1;
     s_kwnames = Py_BuildValue("(ssssss)", "pool", "role", "device", "numel", "dtype", "ptr");
     s_value_kwnames = Py_BuildValue("(sssssss)", "pool", "role", "device", "numel", "dtype", "ptr", "indices");
+    /* submission_event's fields, in its order */
+    s_event_kwnames = Py_BuildValue("(sssssssssssssssssss)", "op", "direction", "stream", "io_backend", "layout",
+                                    "tensors", "slots_by_pool", "bytes_by_pool", "producer_id", "device",
+                                    "host_indices_on_cpu", "sidecar_pools", "queued", "node_ids", "moves", "records",
+                                    "sampled", "pools", "audit_sample");
     s_zero = PyLong_FromLong(0);
     s_one = PyLong_FromLong(1);
-    return s_kwnames && s_value_kwnames && s_zero && s_one ? 0 : -1;
+    return s_kwnames && s_value_kwnames && s_event_kwnames && s_zero && s_one ? 0 : -1;
 }
 
 /* 0 where a function that takes n arguments got nargs of them; else -1 with a TypeError */
@@ -1701,6 +1712,285 @@ fail:
     return NULL;
 }
 
+/* submission_event(emit, cls, sub, op_id, refs, result, now, pools, setup) -> the event
+ *   A submission's one event (the SGLang adapter's metrics and sampling profiles), as
+ *   emit(cls, **fields) makes it, from what its hooks noted on sub:
+ *   setup  (streams, stream_names, io_backend, layout, device, sidecar_pools, audit_sample,
+ *          slot_bytes, queued_at, anchor, pool_names, pool_name, moved_type, h2d):
+ *          streams maps sub.direction to (owner, attribute) of its stream; queued_at maps
+ *          id(op) to when it was queued (each queued op's entry taken, now where none);
+ *          the rest as slots_by_pool, recorded and the event's fields take them.
+ *   refs   the TensorRefs of sub.uses's tensors, in order (a list).
+ * Fields: op, direction, stream (its name), io_backend, layout, tensors, slots_by_pool and
+ * bytes_by_pool of sub.op (none without one), producer_id (result where a load's is an int,
+ * else -1), device, host_indices_on_cpu, sidecar_pools, queued ((op, node, priority, when)
+ * of each of sub.queued_ops), node_ids (of sub.op), moves (sub.moves, then each of
+ * sub.side_moves as moved_type(pool, role, src, dst, ref, stream)), records, sampled, pools,
+ * audit_sample. Run with torch function dispatch off. */
+enum { EV_STREAMS, EV_STREAM_NAMES, EV_IO_BACKEND, EV_LAYOUT, EV_DEVICE, EV_SIDECARS, EV_AUDIT_SAMPLE,
+       EV_SLOT_BYTES, EV_QUEUED_AT, EV_ANCHOR, EV_POOL_NAMES, EV_POOL_NAME, EV_MOVED, EV_H2D, EV_N };
+
+static PyObject *slots_by_pool(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+
+/* int(obj), new reference */
+static PyObject *as_int(PyObject *obj) { return PyNumber_Long(obj); }
+
+/* (op, node, priority, when) of one queued op: node_ids[0] (or -1 where it has none),
+ * priority (or its id where None); when: queued_at.pop(id(op), now). */
+static PyObject *queued_row(PyObject *q, PyObject *queued_at, PyObject *now) {
+    PyObject *id = NULL, *node = NULL, *priority = NULL, *when = NULL, *row = NULL;
+    PyObject *raw = PyObject_GetAttr(q, s_id);
+    if (!raw || !(id = as_int(raw)))
+        goto done;
+    PyObject *nodes = attr_or_none(q, s_node_ids);
+    if (!nodes)
+        goto done;
+    int some = PyObject_IsTrue(nodes);
+    if (some > 0) {
+        PyObject *first = PySequence_GetItem(nodes, 0);
+        node = first ? as_int(first) : NULL;
+        Py_XDECREF(first);
+    } else if (some == 0) {
+        node = PyLong_FromLong(-1);
+    }
+    Py_DECREF(nodes);
+    if (!node)
+        goto done;
+    PyObject *prio = PyObject_GetAttr(q, s_priority);
+    if (!prio)
+        goto done;
+    if (prio == Py_None) {
+        Py_DECREF(prio);
+        priority = Py_NewRef(id);
+    } else {
+        priority = as_int(prio);
+        Py_DECREF(prio);
+        if (!priority)
+            goto done;
+    }
+    PyObject *key = PyLong_FromVoidPtr(q);
+    if (!key)
+        goto done;
+    PyObject *pargs[3] = {queued_at, key, now};
+    when = PyObject_VectorcallMethod(s_pop, pargs, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    Py_DECREF(key);
+    if (when)
+        row = PyTuple_Pack(4, id, node, priority, when);
+done:
+    Py_XDECREF(raw);
+    Py_XDECREF(id);
+    Py_XDECREF(node);
+    Py_XDECREF(priority);
+    Py_XDECREF(when);
+    return row;
+}
+
+/* tuple(f(item) for item in iterable), new reference */
+static PyObject *tuple_of(PyObject *iterable, PyObject *(*f)(PyObject *, void *), void *ctx) {
+    PyObject *out = PyList_New(0), *it = out ? PyObject_GetIter(iterable) : NULL, *item;
+    if (!it) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    while ((item = PyIter_Next(it))) {
+        PyObject *v = f(item, ctx);
+        Py_DECREF(item);
+        int r = v ? PyList_Append(out, v) : -1;
+        Py_XDECREF(v);
+        if (r < 0)
+            break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *t = PyList_AsTuple(out);
+    Py_DECREF(out);
+    return t;
+}
+
+static PyObject *int_of(PyObject *item, void *ctx) { return as_int(item); }
+
+typedef struct {
+    PyObject *queued_at, *now;
+} QueuedCtx;
+
+static PyObject *queued_of(PyObject *item, void *ctx) {
+    QueuedCtx *c = ctx;
+    return queued_row(item, c->queued_at, c->now);
+}
+
+typedef struct {
+    PyObject *moved_type, *stream_name;
+} MovedCtx;
+
+/* moved_type(pool, role, src, dst, ref, stream) of one side move (pool, role, src, dst, ref) */
+static PyObject *moved_of(PyObject *item, void *ctx) {
+    MovedCtx *c = ctx;
+    PyObject *t = PySequence_Tuple(item);
+    if (!t)
+        return NULL;
+    if (PyTuple_GET_SIZE(t) != 5) {
+        PyErr_Format(PyExc_ValueError, "a side move is (pool, role, src, dst, ref), got %R", t);
+        Py_DECREF(t);
+        return NULL;
+    }
+    PyObject *args[6];
+    for (int i = 0; i < 5; i++)
+        args[i] = PyTuple_GET_ITEM(t, i);
+    args[5] = c->stream_name;
+    PyObject *m = PyObject_Vectorcall(c->moved_type, args, 6, NULL);
+    Py_DECREF(t);
+    return m;
+}
+
+typedef struct {
+    PyObject *slot_bytes;
+} BytesCtx;
+
+/* (pool, slots * slot_bytes.get(pool, 0)) of one (pool, slots) */
+static PyObject *bytes_of(PyObject *item, void *ctx) {
+    BytesCtx *c = ctx;
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+        PyErr_Format(PyExc_TypeError, "slots_by_pool gave %R, not (pool, slots)", item);
+        return NULL;
+    }
+    PyObject *pool = PyTuple_GET_ITEM(item, 0);
+    PyObject *size = PyDict_GetItemWithError(c->slot_bytes, pool); /* borrowed */
+    if (!size && PyErr_Occurred())
+        return NULL;
+    PyObject *n = PyNumber_Multiply(PyTuple_GET_ITEM(item, 1), size ? size : s_zero);
+    PyObject *out = n ? PyTuple_Pack(2, pool, n) : NULL;
+    Py_XDECREF(n);
+    return out;
+}
+
+static PyObject *submission_event(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("submission_event", nargs, 9) < 0)
+        return NULL;
+    PyObject *emit = args[0], *cls = args[1], *sub = args[2], *op_id = args[3], *refs = args[4], *result = args[5];
+    PyObject *now = args[6], *pools = args[7], *setup_t = args[8];
+    if (!PyTuple_CheckExact(setup_t) || PyTuple_GET_SIZE(setup_t) != EV_N) {
+        PyErr_Format(PyExc_TypeError, "submission_event(): setup is a tuple of %d, got %R", EV_N, setup_t);
+        return NULL;
+    }
+    PyObject *const *setup = &PyTuple_GET_ITEM(setup_t, 0);
+    if (!PyDict_Check(setup[EV_STREAMS]) || !PyDict_Check(setup[EV_STREAM_NAMES]) ||
+        !PyDict_Check(setup[EV_SLOT_BYTES]) || !PyDict_Check(setup[EV_QUEUED_AT]) || !PyList_Check(refs)) {
+        PyErr_SetString(PyExc_TypeError, "submission_event(): setup's streams, stream_names, slot_bytes and "
+                                         "queued_at are dicts, refs a list");
+        return NULL;
+    }
+    enum { F_OP, F_DIRECTION, F_STREAM, F_IO, F_LAYOUT, F_TENSORS, F_SLOTS, F_BYTES, F_PRODUCER, F_DEVICE, F_ON_CPU,
+           F_SIDECARS, F_QUEUED, F_NODES, F_MOVES, F_RECORDS, F_SAMPLED, F_POOLS, F_AUDIT, F_N };
+    PyObject *v[1 + F_N] = {NULL}; /* v[0]: cls; the fields from v[1] */
+    PyObject **f = v + 1;
+    PyObject *op = NULL, *stream = NULL, *event = NULL, *uses = NULL, *tensors = NULL, *records = NULL;
+    PyObject *side = NULL, *moves = NULL, *on_cpu = NULL, *queued_ops = NULL, *record_list = NULL;
+    v[0] = Py_NewRef(cls);
+    f[F_OP] = Py_NewRef(op_id);
+    if (!(f[F_DIRECTION] = PyObject_GetAttr(sub, s_direction)))
+        goto done;
+    PyObject *where = PyDict_GetItemWithError(setup[EV_STREAMS], f[F_DIRECTION]); /* borrowed */
+    if (!where) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "submission_event(): no stream for direction %R", f[F_DIRECTION]);
+        goto done;
+    }
+    if (!PyTuple_Check(where) || PyTuple_GET_SIZE(where) != 2) {
+        PyErr_Format(PyExc_TypeError, "submission_event(): streams maps to (owner, attribute), got %R", where);
+        goto done;
+    }
+    if (!(stream = PyObject_GetAttr(PyTuple_GET_ITEM(where, 0), PyTuple_GET_ITEM(where, 1))))
+        goto done;
+    PyObject *key = PyLong_FromVoidPtr(stream);
+    PyObject *name = key ? PyDict_GetItemWithError(setup[EV_STREAM_NAMES], key) : NULL; /* borrowed */
+    Py_XDECREF(key);
+    if (!name && PyErr_Occurred())
+        goto done;
+    int named = name ? PyObject_IsTrue(name) : 0;
+    if (named < 0)
+        goto done;
+    if (!(f[F_STREAM] = named ? Py_NewRef(name) : unnamed_stream(stream)))
+        goto done;
+    f[F_IO] = Py_NewRef(setup[EV_IO_BACKEND]);
+    f[F_LAYOUT] = Py_NewRef(setup[EV_LAYOUT]);
+    if (!(f[F_TENSORS] = PyList_AsTuple(refs)) || !(op = PyObject_GetAttr(sub, s_op)))
+        goto done;
+    if (op == Py_None) {
+        f[F_SLOTS] = PyTuple_New(0);
+        f[F_BYTES] = PyTuple_New(0);
+        f[F_NODES] = PyTuple_New(0);
+        if (!f[F_SLOTS] || !f[F_BYTES] || !f[F_NODES])
+            goto done;
+    } else {
+        PyObject *sargs[4] = {op, setup[EV_ANCHOR], setup[EV_POOL_NAMES], setup[EV_POOL_NAME]};
+        if (!(f[F_SLOTS] = slots_by_pool(NULL, sargs, 4)))
+            goto done;
+        BytesCtx bc = {setup[EV_SLOT_BYTES]};
+        if (!(f[F_BYTES] = tuple_of(f[F_SLOTS], bytes_of, &bc)))
+            goto done;
+        PyObject *nodes = attr_or_none(op, s_node_ids);
+        int some = nodes ? PyObject_IsTrue(nodes) : -1;
+        f[F_NODES] = some > 0 ? tuple_of(nodes, int_of, NULL) : some == 0 ? PyTuple_New(0) : NULL;
+        Py_XDECREF(nodes);
+        if (!f[F_NODES])
+            goto done;
+    }
+    int load = PyObject_RichCompareBool(f[F_DIRECTION], setup[EV_H2D], Py_EQ);
+    if (load < 0)
+        goto done;
+    if (!(f[F_PRODUCER] = load && PyLong_Check(result) ? as_int(result) : PyLong_FromLong(-1)))
+        goto done;
+    f[F_DEVICE] = Py_NewRef(setup[EV_DEVICE]);
+    if (!(on_cpu = PyObject_GetAttr(sub, s_host_indices_on_cpu)) || !(f[F_ON_CPU] = PySequence_Tuple(on_cpu)))
+        goto done;
+    f[F_SIDECARS] = Py_NewRef(setup[EV_SIDECARS]);
+    QueuedCtx qc = {setup[EV_QUEUED_AT], now};
+    if (!(queued_ops = PyObject_GetAttr(sub, s_queued_ops)) || !(f[F_QUEUED] = tuple_of(queued_ops, queued_of, &qc)))
+        goto done;
+    if (!(moves = PyObject_GetAttr(sub, s_moves)) || !(side = PyObject_GetAttr(sub, s_side_moves)))
+        goto done;
+    MovedCtx mc = {setup[EV_MOVED], f[F_STREAM]};
+    PyObject *ours = PySequence_Tuple(moves), *theirs = ours ? tuple_of(side, moved_of, &mc) : NULL;
+    f[F_MOVES] = theirs ? PySequence_Concat(ours, theirs) : NULL;
+    Py_XDECREF(ours);
+    Py_XDECREF(theirs);
+    if (!f[F_MOVES])
+        goto done;
+    if (!(uses = PyObject_GetAttr(sub, s_uses)) || !(records = PyObject_GetAttr(sub, s_records)))
+        goto done;
+    if (!PyDict_Check(uses)) {
+        PyErr_SetString(PyExc_TypeError, "submission_event(): the submission's uses is a dict");
+        goto done;
+    }
+    if (!(tensors = PyDict_Values(uses)))
+        goto done;
+    PyObject *rargs[6] = {tensors, refs, records, stream, f[F_STREAM], setup[EV_STREAM_NAMES]};
+    if (!(record_list = recorded(NULL, rargs, 6)) || !(f[F_RECORDS] = PyList_AsTuple(record_list)))
+        goto done;
+    if (!(f[F_SAMPLED] = PyObject_GetAttr(sub, s_sampled)))
+        goto done;
+    f[F_POOLS] = Py_NewRef(pools);
+    f[F_AUDIT] = Py_NewRef(setup[EV_AUDIT_SAMPLE]);
+    event = PyObject_Vectorcall(emit, v, 1, s_event_kwnames);
+done:
+    for (int i = 0; i < 1 + F_N; i++)
+        Py_XDECREF(v[i]);
+    Py_XDECREF(op);
+    Py_XDECREF(stream);
+    Py_XDECREF(uses);
+    Py_XDECREF(tensors);
+    Py_XDECREF(records);
+    Py_XDECREF(record_list);
+    Py_XDECREF(side);
+    Py_XDECREF(moves);
+    Py_XDECREF(on_cpu);
+    Py_XDECREF(queued_ops);
+    return event;
+}
+
 /* read_free_lists(obj, head, rest, tensor_type): one read of an allocator's free lists, as the
  * SGLang adapter's _FreeList keeps them: (the first list, the others, how many pages or slots
  * they hold). The first list (attribute head) stays a tensor_type, or becomes a tuple of its
@@ -2035,12 +2325,253 @@ static PyGetSetDef hook_getset[] = {
         .tp_getset = hook_getset,                                                                                \
     }
 
-/* CopyHook(original, current, pool, first): what the SGLang adapter puts as a host pool's
- * copy method. A call (device_pool, host_indices, device_indices, ...) outside a
+/* CopyHook(original, current, pool, first, setup): what the SGLang adapter puts as a host
+ * pool's copy method. A call (device_pool, host_indices, device_indices, ...) outside a
  * submission (current.sub None), or one whose (pool, id(host_indices), id(device_indices))
  * is in current.sub.copied already (a load copies layer by layer with the same index
- * tensors), is original's as it came; any other call, or one of another shape, is first's,
- * the adapter's description of the copy (which notes the key in copied and calls original). */
+ * tensors), is original's as it came. A call of another shape is first's (which binds its
+ * arguments by name and calls the hook again). Any other call, the first of these tensors
+ * in the submission, notes its key in copied; with setup None it is then first's, else the
+ * hook describes the copy itself (copy_first). */
+enum { SETUP_WATCH, SETUP_FAILED, SETUP_TENSOR, SETUP_NTF, SETUP_METHODS, SETUP_RECEIVED, SETUP_KERNEL,
+       SETUP_STAGED, SETUP_FULL, SETUP_D2H, SETUP_N };
+
+static PyObject *place_observers(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+static PyObject *remove_observers(PyObject *Py_UNUSED(mod), PyObject *placed);
+static PyObject *lock_exit(PyObject *lock, PyObject *out);
+static PyObject *take_error(void);
+static void raise_again(PyObject *v);
+
+/* `except Exception: failed(what)` after a step that raised: 0 where the error was an
+ * Exception and failed took it, -1 with an error (another BaseException, or failed's own). */
+static int count_failure(PyObject *failed, const char *what) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyErr_Clear();
+    PyObject *text = PyUnicode_FromString(what);
+    PyObject *r = text ? PyObject_CallOneArg(failed, text) : NULL;
+    Py_XDECREF(text);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* received(uses, pool, host, device, tensor_type) through setup's received, inside
+ * `with no_torch_function():`; new reference, NULL with an error. */
+static PyObject *received_quietly(PyObject *const *setup, PyObject *sub, PyObject *pool, PyObject *host,
+                                  PyObject *device) {
+    PyObject *uses = PyObject_GetAttr(sub, s_uses);
+    if (!uses)
+        return NULL;
+    PyObject *ctx = PyObject_CallNoArgs(setup[SETUP_NTF]);
+    PyObject *entered = ctx ? PyObject_VectorcallMethod(s_enter, &ctx, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL) : NULL;
+    PyObject *watched = NULL;
+    if (entered) {
+        Py_DECREF(entered);
+        PyObject *args[5] = {uses, pool, host, device, setup[SETUP_TENSOR]};
+        watched = PyObject_Vectorcall(setup[SETUP_RECEIVED], args, 5, NULL);
+        watched = lock_exit(ctx, watched); /* the context manager's exit, as `with` makes it */
+    }
+    Py_XDECREF(ctx);
+    Py_DECREF(uses);
+    if (watched && !PyDict_Check(watched)) {
+        PyErr_Format(PyExc_TypeError, "received() gave %.100s, not a dict", Py_TYPE(watched)->tp_name);
+        Py_CLEAR(watched);
+    }
+    return watched;
+}
+
+/* A staged write-back's pool noted in sub.host_indices_on_cpu (once): setup's staged host
+ * pool set (an io backend `kernel`, a layout `page_first`), a write (sub.direction d2h)
+ * and the pool's can_use_write_back_jit, read now, True. 0, or -1 with an error. */
+static int note_staged(PyObject *const *setup, PyObject *sub, PyObject *pool) {
+    PyObject *host_pool = setup[SETUP_STAGED];
+    if (host_pool == Py_None)
+        return 0;
+    PyObject *direction = PyObject_GetAttr(sub, s_direction);
+    int write = direction ? PyObject_RichCompareBool(direction, setup[SETUP_D2H], Py_EQ) : -1;
+    Py_XDECREF(direction);
+    if (write <= 0)
+        return write;
+    PyObject *jit = attr_or_none(host_pool, s_write_back_jit);
+    if (!jit)
+        return -1;
+    int staged = jit == Py_True;
+    Py_DECREF(jit);
+    if (!staged)
+        return 0;
+    PyObject *on_cpu = PyObject_GetAttr(sub, s_host_indices_on_cpu);
+    int there = on_cpu ? PySequence_Contains(on_cpu, pool) : -1;
+    PyObject *r = there == 0 ? PyObject_CallMethodOneArg(on_cpu, s_append, pool) : NULL;
+    Py_XDECREF(on_cpu);
+    if (there != 0)
+        return there < 0 ? -1 : 0;
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* The roles of pool's moves in sub.side_moves ((pool, role, src, dst, ref), ...), as a new
+ * set; NULL with an error. */
+static PyObject *known_roles(PyObject *side_moves, PyObject *pool) {
+    PyObject *known = PySet_New(NULL), *it = known ? PyObject_GetIter(side_moves) : NULL, *m;
+    if (!it) {
+        Py_XDECREF(known);
+        return NULL;
+    }
+    while ((m = PyIter_Next(it))) {
+        PyObject *p = PySequence_GetItem(m, 0);
+        int mine = p ? PyObject_RichCompareBool(p, pool, Py_EQ) : -1;
+        Py_XDECREF(p);
+        PyObject *role = mine > 0 ? PySequence_GetItem(m, 1) : NULL;
+        int r = mine > 0 ? (role ? PySet_Add(known, role) : -1) : mine;
+        Py_XDECREF(role);
+        Py_DECREF(m);
+        if (r < 0)
+            break;
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred()) {
+        Py_DECREF(known);
+        return NULL;
+    }
+    return known;
+}
+
+/* The moves the watch saw, of roles not known yet, appended to side_moves as (pool, role,
+ * src, dst, ref); their roles added to known. 0, or -1 with an error. */
+static int keep_moves(PyObject *watch, PyObject *pool, PyObject *known, PyObject *side_moves) {
+    if (!PyList_Check(side_moves)) {
+        PyErr_SetString(PyExc_TypeError, "the submission's side_moves is a list");
+        return -1;
+    }
+    PyObject *moves = PyObject_GetAttr(watch, s_moves);
+    PyObject *it = moves ? PyObject_GetIter(moves) : NULL, *m;
+    Py_XDECREF(moves);
+    if (!it)
+        return -1;
+    while ((m = PyIter_Next(it))) {
+        PyObject *t = PySequence_Tuple(m);
+        Py_DECREF(m);
+        if (!t)
+            break;
+        int r = -1;
+        if (PyTuple_GET_SIZE(t) != 4) {
+            PyErr_Format(PyExc_ValueError, "the conversion watch's moves are (role, src, dst, ref), got %R", t);
+        } else {
+            PyObject *role = PyTuple_GET_ITEM(t, 0);
+            r = PySet_Contains(known, role);
+            if (r == 0) {
+                PyObject *entry = PyTuple_Pack(5, pool, role, PyTuple_GET_ITEM(t, 1), PyTuple_GET_ITEM(t, 2),
+                                               PyTuple_GET_ITEM(t, 3));
+                r = entry ? PyList_Append(side_moves, entry) : -1;
+                Py_XDECREF(entry);
+                if (r == 0)
+                    r = PySet_Add(known, role);
+            }
+        }
+        Py_DECREF(t);
+        if (r < 0)
+            break;
+    }
+    Py_DECREF(it);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The conversion watch of one copy: made (setup's watch class, called (pool, watched, failed,
+ * known, values)) and its observers placed; NULL with an error, and what was placed taken off
+ * again. *known and *side_moves: new references the caller releases. */
+static PyObject *watch_copy(PyObject *const *setup, PyObject *sub, PyObject *pool, PyObject *watched,
+                            PyObject *placed, PyObject **known, PyObject **side_moves) {
+    if (note_staged(setup, sub, pool) < 0)
+        return NULL;
+    *side_moves = PyObject_GetAttr(sub, s_side_moves);
+    *known = *side_moves ? known_roles(*side_moves, pool) : NULL;
+    if (!*known)
+        return NULL;
+    int values = PyObject_IsTrue(setup[SETUP_FULL]);
+    if (values == 0) {
+        PyObject *sampled = PyObject_GetAttr(sub, s_sampled);
+        values = sampled ? PyObject_IsTrue(sampled) : -1;
+        Py_XDECREF(sampled);
+    }
+    if (values < 0)
+        return NULL;
+    PyObject *frozen = PyFrozenSet_New(*known);
+    PyObject *args[5] = {pool, watched, setup[SETUP_FAILED], frozen, values ? Py_True : Py_False};
+    PyObject *watch = frozen ? PyObject_Vectorcall(setup[SETUP_WATCH], args, 5, NULL) : NULL;
+    Py_XDECREF(frozen);
+    if (!watch)
+        return NULL;
+    PyObject *pargs[5] = {watched, setup[SETUP_METHODS], setup[SETUP_TENSOR], watch, placed};
+    PyObject *r = place_observers(NULL, pargs, 5);
+    if (!r) {
+        PyObject *raised = take_error();
+        PyObject *gone = remove_observers(NULL, placed);
+        Py_XDECREF(gone);
+        PyErr_Clear();
+        raise_again(raised);
+        Py_DECREF(watch);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return watch;
+}
+
+/* The first call of a submission's copy with these index tensors (key noted in copied):
+ * `received` notes them as the op's uses; where one is off the device and the io backend is
+ * `kernel`, the copy runs under a conversion watch (see the adapter's _ConversionWatch), and
+ * the moves it saw of roles this pool's copies had not moved yet join sub.side_moves. A step
+ * of this bookkeeping that raises is counted (setup's failed) and the copy runs as it came;
+ * an error of the copy itself is raised as it came, after the watch is off. */
+static PyObject *copy_first(Hook *self, PyObject *sub, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *original = self->refs[0], *pool = self->refs[2];
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[4], 0);
+    PyObject *watched = received_quietly(setup, sub, pool, args[1], args[2]);
+    if (!watched) {
+        if (count_failure(setup[SETUP_FAILED], "describe the index tensors a copy received") < 0)
+            return NULL;
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
+    }
+    if (PyDict_GET_SIZE(watched) == 0 || setup[SETUP_KERNEL] != Py_True) { /* nothing to watch */
+        Py_DECREF(watched);
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
+    }
+    PyObject *known = NULL, *side_moves = NULL, *placed = PyList_New(0), *out = NULL;
+    PyObject *watch = placed ? watch_copy(setup, sub, pool, watched, placed, &known, &side_moves) : NULL;
+    Py_DECREF(watched);
+    if (!watch) {
+        if (count_failure(setup[SETUP_FAILED], "watch the index tensors of a copy") == 0)
+            out = PyObject_Vectorcall(original, args, nargsf, kwnames);
+        goto done;
+    }
+    out = PyObject_Vectorcall(original, args, nargsf, kwnames);
+    PyObject *raised = out ? NULL : take_error();
+    PyObject *gone = remove_observers(NULL, placed);
+    if (gone)
+        Py_DECREF(gone);
+    else if (count_failure(setup[SETUP_FAILED], "take the conversion watch off a copy's index tensors") < 0) {
+        Py_XDECREF(raised);
+        Py_CLEAR(out);
+        goto done;
+    }
+    if (raised) {
+        raise_again(raised);
+        goto done;
+    }
+    if (keep_moves(watch, pool, known, side_moves) < 0 &&
+        count_failure(setup[SETUP_FAILED], "record the index tensors a copy moved") < 0)
+        Py_CLEAR(out);
+done:
+    Py_XDECREF(watch);
+    Py_XDECREF(known);
+    Py_XDECREF(side_moves);
+    Py_XDECREF(placed);
+    return out;
+}
+
 static PyObject *copy_hook_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (hook_alive(self) < 0)
         return NULL;
@@ -2055,40 +2586,81 @@ static PyObject *copy_hook_call(Hook *self, PyObject *const *args, size_t nargsf
         return PyObject_Vectorcall(original, args, nargsf, kwnames);
     }
     PyObject *copied = PyObject_GetAttr(sub, s_copied);
-    Py_DECREF(sub);
-    if (!copied)
+    if (!copied) {
+        Py_DECREF(sub);
         return NULL;
+    }
     PyObject *h = PyLong_FromVoidPtr(args[1]), *d = PyLong_FromVoidPtr(args[2]);
     PyObject *key = h && d ? PyTuple_Pack(3, pool, h, d) : NULL;
     Py_XDECREF(h);
     Py_XDECREF(d);
     int seen = key ? PySequence_Contains(copied, key) : -1;
+    PyObject *out = NULL;
+    if (seen > 0) {
+        out = PyObject_Vectorcall(original, args, nargsf, kwnames);
+    } else if (seen == 0 && self->refs[4] == Py_None) {
+        out = PyObject_Vectorcall(first, args, nargsf, kwnames);
+    } else if (seen == 0) {
+        int added = PyAnySet_Check(copied) ? PySet_Add(copied, key) : -1;
+        if (added < 0 && !PyErr_Occurred()) { /* another container: its own add */
+            PyObject *r = PyObject_CallMethodOneArg(copied, s_add, key);
+            added = r ? 0 : -1;
+            Py_XDECREF(r);
+        }
+        if (added == 0)
+            out = copy_first(self, sub, args, nargsf, kwnames);
+    }
     Py_XDECREF(key);
     Py_DECREF(copied);
-    if (seen < 0)
-        return NULL;
-    return PyObject_Vectorcall(seen ? original : first, args, nargsf, kwnames);
+    Py_DECREF(sub);
+    return out;
 }
 
 static PyObject *copy_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *refs[4];
-    static char *kw[] = {"original", "current", "pool", "first", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:CopyHook", kw, &refs[0], &refs[1], &refs[2], &refs[3]))
+    PyObject *refs[5] = {NULL, NULL, NULL, NULL, Py_None};
+    static char *kw[] = {"original", "current", "pool", "first", "setup", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO|O:CopyHook", kw, &refs[0], &refs[1], &refs[2], &refs[3],
+                                     &refs[4]))
         return NULL;
     if (!PyCallable_Check(refs[0]) || !PyCallable_Check(refs[3])) {
         PyErr_Format(PyExc_TypeError, "CopyHook(): original (the pool's copy) and first are callables, got %R and %R",
                      refs[0], refs[3]);
         return NULL;
     }
-    return hook_new(type, (vectorcallfunc)copy_hook_call, 4, refs);
+    PyObject *setup = refs[4];
+    if (setup != Py_None) {
+        if (!PyTuple_CheckExact(setup) || PyTuple_GET_SIZE(setup) != SETUP_N) {
+            PyErr_Format(PyExc_TypeError,
+                         "CopyHook(): setup is None or a tuple of %d (watch, failed, tensor_type, no_torch_function, "
+                         "methods, received, kernel, staged, full, d2h), got %R",
+                         SETUP_N, setup);
+            return NULL;
+        }
+        int callables[] = {SETUP_WATCH, SETUP_FAILED, SETUP_NTF, SETUP_RECEIVED};
+        for (size_t i = 0; i < sizeof callables / sizeof callables[0]; i++)
+            if (!PyCallable_Check(PyTuple_GET_ITEM(setup, callables[i]))) {
+                PyErr_Format(PyExc_TypeError, "CopyHook(): setup's watch, failed, no_torch_function and received are "
+                                              "callables, got %R",
+                             PyTuple_GET_ITEM(setup, callables[i]));
+                return NULL;
+            }
+        if (!PyTuple_Check(PyTuple_GET_ITEM(setup, SETUP_METHODS))) {
+            PyErr_Format(PyExc_TypeError, "CopyHook(): setup's methods is a tuple of names, got %R",
+                         PyTuple_GET_ITEM(setup, SETUP_METHODS));
+            return NULL;
+        }
+    }
+    return hook_new(type, (vectorcallfunc)copy_hook_call, 5, refs);
 }
 
 HOOK_TYPE(CopyHookType, "CopyHook", copy_hook_new);
 
 static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
-    if (takes("copy_hook", nargs, 4) < 0)
+    if (nargs != 4 && nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "copy_hook() takes 4 or 5 arguments (%zd given)", nargs);
         return NULL;
-    return PyObject_CallFunctionObjArgs((PyObject *)&CopyHookType, args[0], args[1], args[2], args[3], NULL);
+    }
+    return PyObject_Vectorcall((PyObject *)&CopyHookType, args, nargs, NULL);
 }
 
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
@@ -2439,9 +3011,12 @@ static PyMethodDef module_methods[] = {
      "device_of(t, names, slow, /)\n--\n\nt's device name as device_name gives it; slow(t) names what the fast "
      "reads do not."},
     {"copy_hook", (PyCFunction)(void (*)(void))copy_hook, METH_FASTCALL,
-     "copy_hook(original, current, pool, first, /)\n--\n\nWhat the SGLang adapter puts as a host pool's copy: "
-     "original's call outside a submission or for index tensors the submission's copies had already (its "
-     "copied), else first's."},
+     "copy_hook(original, current, pool, first, setup=None, /)\n--\n\nWhat the SGLang adapter puts as a host pool's "
+     "copy: original's call outside a submission or for index tensors the submission's copies had already (its "
+     "copied), else first's (setup None), or the copy described by the hook with setup's steps."},
+    {"submission_event", (PyCFunction)(void (*)(void))submission_event, METH_FASTCALL,
+     "submission_event(emit, cls, sub, op_id, refs, result, now, pools, setup, /)\n--\n\nA submission's one "
+     "event, emit(cls, **fields), from what the SGLang adapter's hooks noted on sub (see the module source)."},
     {"slot_guard", (PyCFunction)(void (*)(void))slot_guard, METH_FASTCALL,
      "slot_guard(original, hook, watch, lock, /)\n--\n\nWhat the SGLang adapter puts as an allocator call that can "
      "change its free lists: with lock held, original's call inside another (watch.depth true), else hook's with "

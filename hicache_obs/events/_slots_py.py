@@ -837,6 +837,95 @@ def received(uses: Any, pool: Any, host: Any, device: Any, tensor_type: Any, /) 
     return watched
 
 
+def submission_event(
+    emit: Any, cls: Any, sub: Any, op_id: Any, refs: Any, result: Any, now: Any, pools: Any, setup: Any, /
+) -> Any:
+    """A submission's one event (the SGLang adapter's ``metrics`` and ``sampling`` profiles),
+    as ``emit(cls, **fields)`` makes it, from what its hooks noted on ``sub``. ``setup``:
+    ``(streams, stream_names, io_backend, layout, device, sidecar_pools, audit_sample,
+    slot_bytes, queued_at, anchor, pool_names, pool_name, moved_type, h2d)``: ``streams`` maps
+    ``sub.direction`` to ``(owner, attribute)`` of its stream; ``queued_at`` maps ``id(op)`` to
+    when it was queued (each queued op's entry taken, ``now`` where none); the rest as
+    :func:`slots_by_pool`, :func:`recorded` and the event's fields take them. ``refs``: the
+    ``TensorRef`` of each of ``sub.uses``'s tensors, in order. Run with torch function
+    dispatch off."""
+    if type(setup) is not tuple or len(setup) != 14:
+        raise TypeError(f"submission_event(): setup is a tuple of 14, got {setup!r}")
+    (streams, stream_names, io_backend, layout, device, sidecar_pools, audit_sample, slot_bytes, queued_at, anchor,
+     pool_names, pool_name, moved_type, h2d) = setup  # fmt: skip
+    if not (all(isinstance(d, dict) for d in (streams, stream_names, slot_bytes, queued_at)) and isinstance(refs, list)):
+        raise TypeError(
+            "submission_event(): setup's streams, stream_names, slot_bytes and queued_at are dicts, refs a list"
+        )
+    direction = sub.direction
+    if direction not in streams:
+        raise KeyError(f"submission_event(): no stream for direction {direction!r}")
+    where = streams[direction]
+    if not (isinstance(where, tuple) and len(where) == 2):
+        raise TypeError(f"submission_event(): streams maps to (owner, attribute), got {where!r}")
+    stream = getattr(*where)
+    stream_name = stream_names.get(id(stream)) or f"stream@{id(stream):x}"
+    tensors = tuple(refs)
+    op = sub.op
+    if op is None:
+        slots: Any = ()
+        bytes_by_pool: Any = ()
+        node_ids: Any = ()
+    else:
+        slots = slots_by_pool(op, anchor, pool_names, pool_name)
+        rows = []
+        for item in slots:
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise TypeError(f"slots_by_pool gave {item!r}, not (pool, slots)")
+            rows.append((item[0], item[1] * slot_bytes.get(item[0], 0)))
+        bytes_by_pool = tuple(rows)
+        node_ids = tuple([int(n) for n in getattr(op, "node_ids", None) or ()])
+    producer_id = int(result) if direction == h2d and isinstance(result, int) else -1
+    on_cpu = tuple(sub.host_indices_on_cpu)
+    queued = []
+    for q in sub.queued_ops:
+        op_of_q = int(q.id)
+        nodes = getattr(q, "node_ids", None)
+        node = int(nodes[0]) if nodes else -1
+        priority = q.priority
+        queued.append((op_of_q, node, op_of_q if priority is None else int(priority), queued_at.pop(id(q), now)))
+    moves = tuple(sub.moves)
+    side = []
+    for m in sub.side_moves:
+        t = tuple(m)
+        if len(t) != 5:
+            raise ValueError(f"a side move is (pool, role, src, dst, ref), got {t!r}")
+        side.append(moved_type(*t, stream_name))
+    moves += tuple(side)
+    uses = sub.uses
+    records = sub.records
+    if not isinstance(uses, dict):
+        raise TypeError("submission_event(): the submission's uses is a dict")
+    marks = tuple(recorded(list(uses.values()), refs, records, stream, stream_name, stream_names))
+    return emit(
+        cls,
+        op=op_id,
+        direction=direction,
+        stream=stream_name,
+        io_backend=io_backend,
+        layout=layout,
+        tensors=tensors,
+        slots_by_pool=slots,
+        bytes_by_pool=bytes_by_pool,
+        producer_id=producer_id,
+        device=device,
+        host_indices_on_cpu=on_cpu,
+        sidecar_pools=sidecar_pools,
+        queued=tuple(queued),
+        node_ids=node_ids,
+        moves=moves,
+        records=marks,
+        sampled=sub.sampled,
+        pools=pools,
+        audit_sample=audit_sample,
+    )
+
+
 def read_free_lists(obj: Any, head: Any, rest: Any, tensor_type: Any, /) -> tuple[Any, tuple[Any, ...], Any]:
     """One read of an allocator's free lists, as the SGLang adapter's ``_FreeList`` keeps them:
     (the first list, the others, how many pages or slots they hold). The first list (attribute
@@ -904,23 +993,139 @@ def device_of(t: Any, names: Any, slow: Any, /) -> Any:
     return slow(t)
 
 
-def copy_hook(original: Any, current: Any, pool: Any, first: Any, /) -> Any:
+def _count_failure(failed: Any, what: str) -> None:
+    """``except Exception: failed(what)`` (the caller is inside the ``except``)."""
+    failed(what)
+
+
+def _check_setup(setup: Any) -> None:
+    if setup is None:
+        return
+    if type(setup) is not tuple or len(setup) != 10:
+        raise TypeError(
+            "CopyHook(): setup is None or a tuple of 10 (watch, failed, tensor_type, no_torch_function, "
+            f"methods, received, kernel, staged, full, d2h), got {setup!r}"
+        )
+    for v in (setup[0], setup[1], setup[3], setup[5]):
+        if not callable(v):
+            raise TypeError(f"CopyHook(): setup's watch, failed, no_torch_function and received are callables, got {v!r}")
+    if not isinstance(setup[4], tuple):
+        raise TypeError(f"CopyHook(): setup's methods is a tuple of names, got {setup[4]!r}")
+
+
+def _watch_copy(setup: Any, sub: Any, pool: Any, watched: Any, placed: list[Any]) -> tuple[Any, set[Any], Any]:
+    """The conversion watch of one copy, made and placed (what was placed is taken off again
+    where placing fails), with the roles this pool's copies moved already and the list of moves."""
+    watch_type, failed, tensor_type, _, methods, _, _, staged, full, d2h = setup
+    if staged is not None and sub.direction == d2h and getattr(staged, "can_use_write_back_jit", None) is True:
+        on_cpu = sub.host_indices_on_cpu
+        if pool not in on_cpu:
+            on_cpu.append(pool)
+    side_moves = sub.side_moves
+    known = {m[1] for m in side_moves if m[0] == pool}
+    values = True if full else bool(sub.sampled)
+    watch = watch_type(pool, watched, failed, frozenset(known), values)
+    try:
+        place_observers(watched, methods, tensor_type, watch, placed)
+    except BaseException:
+        try:
+            remove_observers(placed)
+        except Exception:  # the placing's error is the one raised
+            pass
+        raise
+    return watch, known, side_moves
+
+
+def _keep_moves(watch: Any, pool: Any, known: set[Any], side_moves: Any) -> None:
+    """The moves the watch saw, of roles not known yet, appended to ``side_moves`` as
+    ``(pool, role, src, dst, ref)``; their roles added to ``known``."""
+    if not isinstance(side_moves, list):
+        raise TypeError("the submission's side_moves is a list")
+    for m in watch.moves:
+        t = tuple(m)
+        if len(t) != 4:
+            raise ValueError(f"the conversion watch's moves are (role, src, dst, ref), got {t!r}")
+        role, src, dst, ref = t
+        if role not in known:
+            side_moves.append((pool, role, src, dst, ref))
+            known.add(role)
+
+
+def _copy_first(original: Any, pool: Any, setup: Any, sub: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The first call of a submission's copy with these index tensors (its key noted in
+    ``copied``): ``received`` notes them as the op's uses; where one is off the device and the
+    io backend is ``kernel``, the copy runs under a conversion watch and the moves it saw of
+    roles this pool's copies had not moved yet join ``sub.side_moves``. A step of this
+    bookkeeping that raises is counted (``failed``) and the copy runs as it came; an error of
+    the copy itself is raised as it came, after the watch is off."""
+    failed, tensor_type, no_torch_function, received_fn, kernel = setup[1], setup[2], setup[3], setup[5], setup[6]
+    try:
+        uses = sub.uses
+        with no_torch_function():
+            watched = received_fn(uses, pool, args[1], args[2], tensor_type)
+        if not isinstance(watched, dict):
+            raise TypeError(f"received() gave {type(watched).__name__}, not a dict")
+    except Exception:
+        _count_failure(failed, "describe the index tensors a copy received")
+        return original(*args, **kwargs)
+    if not watched or kernel is not True:  # nothing to watch
+        return original(*args, **kwargs)
+    placed: list[Any] = []
+    try:
+        watch, known, side_moves = _watch_copy(setup, sub, pool, watched, placed)
+    except Exception:
+        _count_failure(failed, "watch the index tensors of a copy")
+        return original(*args, **kwargs)
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        try:
+            remove_observers(placed)
+        except Exception:
+            _count_failure(failed, "take the conversion watch off a copy's index tensors")
+    try:
+        _keep_moves(watch, pool, known, side_moves)
+    except Exception:
+        _count_failure(failed, "record the index tensors a copy moved")
+    return out
+
+
+def copy_hook(original: Any, current: Any, pool: Any, first: Any, setup: Any = None, /) -> Any:
     """What the SGLang adapter puts as a host pool's copy method: a call ``(device_pool,
     host_indices, device_indices, ...)`` outside a submission (``current.sub`` None), or one
     whose ``(pool, id(host_indices), id(device_indices))`` is in ``current.sub.copied``
-    already, is ``original``'s; any other call, or one of another shape, is ``first``'s."""
+    already, is ``original``'s; a call of another shape is ``first``'s (which binds its
+    arguments by name and calls the hook again). Any other call, the first of these tensors
+    in the submission, notes its key in ``copied``; with ``setup`` None it is then
+    ``first``'s, else the hook describes the copy itself (:func:`_copy_first`). ``setup``:
+    ``(watch, failed, tensor_type, no_torch_function, methods, received, kernel, staged,
+    full, d2h)``: the conversion watch's class, called ``(pool, watched, failed, known,
+    values)``; the failure count, called with what failed; the tensor class; the context
+    manager the reads run in; the method names the watch takes over; ``received`` (called as
+    :func:`received`); whether the io backend is ``kernel`` (``True``); the host pool whose
+    ``can_use_write_back_jit`` makes a write's host indices CPU ones by design, or None; whether
+    every moved tensor is described with its values (else where ``sub.sampled``); the
+    direction of a write."""
     if not callable(original) or not callable(first):
         raise TypeError(
             f"CopyHook(): original (the pool's copy) and first are callables, got {original!r} and {first!r}"
         )
+    _check_setup(setup)
 
     def copy(*args: Any, **kwargs: Any) -> Any:
         if len(args) < 3:
             return first(*args, **kwargs)
         sub = current.sub
-        if sub is None or (pool, id(args[1]), id(args[2])) in sub.copied:
+        if sub is None:
             return original(*args, **kwargs)
-        return first(*args, **kwargs)
+        copied = sub.copied
+        key = (pool, id(args[1]), id(args[2]))
+        if key in copied:
+            return original(*args, **kwargs)
+        if setup is None:
+            return first(*args, **kwargs)
+        copied.add(key)
+        return _copy_first(original, pool, setup, sub, args, kwargs)
 
     copy.__wrapped__ = original  # type: ignore[attr-defined]
     return copy

@@ -68,6 +68,7 @@ from ..._native import (
     runs_of,
     slot_guard,
     slots_by_pool,
+    submission_event,
     use_refs,
 )
 from ..._profiles import Profile, Sampler, resolve_profile
@@ -211,7 +212,7 @@ class _ConversionWatch:
     kept, never the tensor; a description that fails goes to ``failed`` (the
     instrumentation's count), never into SGLang's call."""
 
-    _METHODS = ("to", "cuda")
+    METHODS = ("to", "cuda")
 
     def __init__(
         self,
@@ -251,7 +252,7 @@ class _ConversionWatch:
             self._failed("describe an index tensor a copy moved")
 
     def __enter__(self) -> _ConversionWatch:
-        place_observers(self.watched, self._METHODS, torch.Tensor, self, self._placed)
+        place_observers(self.watched, self.METHODS, torch.Tensor, self, self._placed)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -833,6 +834,27 @@ class Instrumentation:
         self._sidecar_pools: tuple[tuple[str, str], ...] = ()  # each op's sidecar_pools: (pool, ANCHOR), by name
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
+        self._event_setup = self._make_event_setup()
+
+    def _make_event_setup(self) -> tuple[Any, ...]:
+        """What :func:`~hicache_obs._native.submission_event` reads besides the submission
+        (made again when a sidecar pool joins: every op names it)."""
+        return (
+            self._shape.streams,
+            self._stream_names,
+            self._shape.io_backend,
+            self._shape.layout,
+            self._device,
+            self._sidecar_pools,
+            self.profile.audit_sample,
+            self._slot_bytes,
+            self._queued_at,
+            ANCHOR,
+            _POOL_NAMES,
+            _pool_name,
+            Moved,
+            H2D,
+        )
 
     # ------------------------------------------------------------- public
     @property
@@ -1105,6 +1127,7 @@ class Instrumentation:
             return
         self._sidecars[name] = pool
         self._sidecar_pools = tuple((n, ANCHOR) for n in sorted(self._sidecars))
+        self._event_setup = self._make_event_setup()
         for meth in _copy_names(pool, self._shape.copy).values():
             self._wrap(pool, meth, self._copy_wrapper(name, pool))
 
@@ -1328,67 +1351,42 @@ class Instrumentation:
                 )
 
     def _copy_wrapper(self, pool: str, host_pool: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A host pool's copy (:func:`~hicache_obs._native.copy_hook`): the first call of a
+        submission with each pair of index tensors notes them as the op's uses; where one is
+        off the device and the io backend is ``kernel``, the copy runs under a
+        :class:`_ConversionWatch`, and the first move of each role this pool's copies make in
+        the op is kept (a load copies per layer, and each layer's copy converts the same
+        indices again). On a ``page_first`` host layout a write's copy may be staged: SGLang's
+        host pools then copy with a kernel that addresses host pages from the CPU (device
+        pages to a device staging buffer first) when ``can_use_write_back_jit`` is set, read
+        at the copy call, and the controller keeps the host indices on the CPU
+        (``_move_write_operation``): the pool is noted in the submission's
+        ``host_indices_on_cpu``. A failed step of this is counted, never raised into the
+        copy."""
         kernel = self._shape.io_backend == "kernel"  # a direct copy reads host indices as they are
-        staged = kernel and self._shape.layout == "page_first"  # a write may be staged (_staged_write_back)
-        failed, full = self._failed, self._full
+        staged = host_pool if kernel and self._shape.layout == "page_first" else None
+        setup = (
+            _ConversionWatch,
+            self._failed,
+            torch.Tensor,
+            NO_TORCH_FUNCTION,
+            _ConversionWatch.METHODS,
+            received,
+            kernel,
+            staged,
+            self._full,
+            D2H,
+        )
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def copy(device_pool: Any, host_indices: Any, device_indices: Any, *args: Any, **kwargs: Any) -> Any:
-                sub = current.sub
-                if sub is None:
-                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                # a load copies layer by layer with the same index tensors: the first call says it all
-                key = (pool, id(host_indices), id(device_indices))
-                copied = sub.copied
-                if key in copied:
-                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                copied.add(key)
-                try:
-                    with NO_TORCH_FUNCTION():
-                        watched = self._received(sub, pool, host_indices, device_indices)
-                except Exception:
-                    failed("describe the index tensors a copy received")
-                    watched = None
-                if not watched or not kernel:  # nothing to watch
-                    return original(device_pool, host_indices, device_indices, *args, **kwargs)
-                if staged and self._staged_write_back(sub, host_pool) and pool not in sub.host_indices_on_cpu:
-                    sub.host_indices_on_cpu.append(pool)
-                # the first move of each (pool, role) in an op is reported: a load copies per
-                # layer, and each layer's copy converts the same indices again
-                side_moves = sub.side_moves
-                known = frozenset([m[1] for m in side_moves if m[0] == pool]) if side_moves else frozenset()
-                watch = _ConversionWatch(pool, watched, failed, known, full or sub.sampled)
-                with watch:
-                    out = original(device_pool, host_indices, device_indices, *args, **kwargs)
-                for role, src, dst, ref in watch.moves:
-                    if role not in known:
-                        side_moves.append((pool, role, src, dst, ref))
-                        known |= {role}
-                return out
+                # a call with the index tensors by name: bound, and the hook's again
+                return hook(device_pool, host_indices, device_indices, *args, **kwargs)
 
-            copy.__wrapped__ = original  # type: ignore[attr-defined]
-            # outside a submission, and for each layer after the first, original's call at once
-            return copy_hook(original, current, pool, copy)
+            hook = copy_hook(original, current, pool, copy, setup)
+            return hook
 
         return make
-
-    @staticmethod
-    def _staged_write_back(sub: _Submission, host_pool: Any) -> bool:
-        """Whether this write's copy takes its host indices on the CPU by design, on a tree
-        whose io backend is ``kernel`` and host layout ``page_first`` (the copy hook checks
-        those once, when it is made): SGLang's host pools copy such a write with a staged
-        kernel (device pages to a device staging buffer, then to host pages it addresses
-        from the CPU) when ``can_use_write_back_jit`` is set, read at the copy call; the
-        controller then keeps the host indices on the CPU (``_move_write_operation``)."""
-        return sub.direction == D2H and getattr(host_pool, "can_use_write_back_jit", False) is True
-
-    @staticmethod
-    def _received(
-        sub: _Submission, pool: str, host_indices: Any, device_indices: Any
-    ) -> dict[int, tuple[str, torch.Tensor]]:
-        """A copy's index tensors, now uses of the op; those it could move to the device itself
-        (:func:`~hicache_obs._native.received`)."""
-        return received(sub.uses, pool, host_indices, device_indices, torch.Tensor)
 
     # Allocations and frees are the adapter's most frequent steps, and they run between
     # copies, with cold caches: each is one call into the adapter, two reads of the
@@ -1689,25 +1687,14 @@ class Instrumentation:
     def _submitted_one(self, sub: _Submission, result: Any, error: BaseException | None) -> None:
         """A submission as one ``OpsSubmitted`` (``metrics``, ``sampling``): the merged ops as
         queued, the moves, the records, the copies' tensors (their values where ``sampled``)
-        and the pools' occupancy."""
+        and the pools' occupancy (:func:`~hicache_obs._native.submission_event`)."""
         op = sub.op
         op_id = int(op.id) if op is not None else sub.queued[0]
-        owner, attr = self._shape.streams[sub.direction]
-        stream = getattr(owner, attr)
-        stream_name = self._stream_name(stream)
         values = sub.sampled
         if values:
             refs = [sub.ref(t, pool, role) for (pool, role), t in sub.uses.items()]
         else:  # as sub.ref: each tensor's metadata, made once
             refs = use_refs(sub.uses, sub.refs, TensorRef, _NAMES, tensor_meta)
-        records = self._recorded(sub, refs, stream, stream_name)
-        moves = sub.moves
-        if sub.side_moves:
-            moves = moves + [
-                Moved(pool, role, src, dst, ref, stream_name)  # type: ignore[arg-type]
-                for pool, role, src, dst, ref in sub.side_moves
-            ]
-        queued_at = self._queued_at
         now = time.time_ns()
         # occupancy rides along at most every POOLS_EVERY_NS (the launcher's /metrics reads the
         # allocators at each scrape; detach() logs a last one)
@@ -1715,29 +1702,8 @@ class Instrumentation:
         if self._usage and now - self._pools_at >= POOLS_EVERY_NS:
             self._pools_at = now
             pools = self.pool_usage()
-        queued = []
-        for q in sub.queued_ops:
-            node_ids = getattr(q, "node_ids", None) or [-1]
-            queued.append(
-                (
-                    int(q.id),
-                    int(node_ids[0]),
-                    int(q.priority if q.priority is not None else q.id),
-                    queued_at.pop(id(q), now),
-                )
-            )
         try:
-            self.log.emit(
-                OpsSubmitted,
-                **self._transfer_fields(sub, op_id, stream_name, refs, result),
-                queued=tuple(queued),
-                node_ids=tuple([int(n) for n in getattr(op, "node_ids", ()) or ()]) if op is not None else (),
-                moves=tuple(moves),
-                records=tuple(records),
-                sampled=values,
-                pools=pools,
-                audit_sample=self.profile.audit_sample,
-            )
+            submission_event(self.log.emit, OpsSubmitted, sub, op_id, refs, result, now, pools, self._event_setup)
         except Exception:
             self._failed("record an OpsSubmitted event")
         if error is None and values:

@@ -144,7 +144,7 @@ def test_the_floor_wraps_what_the_adapter_wraps_and_reads_nothing(monkeypatch: p
             monkeypatch.setattr(facts, name, unreadable)
         for name in ("tensor_ref", "device_name"):
             monkeypatch.setattr(adapter, name, unreadable)
-        for name in ("_slots_by_pool", "_op_tensors", "_received", "_report_moves", "_submitted", "_merged"):
+        for name in ("_slots_by_pool", "_op_tensors", "_report_moves", "_submitted", "_merged"):
             monkeypatch.setattr(adapter.Instrumentation, name, unreadable)
         monkeypatch.setattr(adapter._FreeList, "read", unreadable)  # the free lists the slot hooks compare
         start = log.published
