@@ -911,6 +911,7 @@ static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
+static PyObject *s_refs, *s_merged_emitted;
 static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
 static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
     *s_write_back_jit, *s_add;
@@ -931,6 +932,7 @@ static int adapter_strings(void) {
         {&s_direction, "direction"}, {&s_host_indices_on_cpu, "host_indices_on_cpu"}, {&s_side_moves, "side_moves"},
         {&s_sampled, "sampled"}, {&s_moves, "moves"}, {&s_write_back_jit, "can_use_write_back_jit"}, {&s_add, "add"},
         {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
+        {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -2663,6 +2665,239 @@ static PyObject *copy_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     return PyObject_Vectorcall((PyObject *)&CopyHookType, args, nargs, NULL);
 }
 
+/* MoveHook(original, current, fallback, setup): what the SGLang adapter puts as the
+ * controller's op-level move of a merged op's indices (move(op, ...) -> (host, device[,
+ * transfers])). A call outside a submission (current.sub None) or inside one whose op is
+ * set (an inner move) is original's as it came; a call without op by position is
+ * fallback's. Else sub.op is op, the op is noted as merged, and the tensors of op before
+ * the call and of its result after it are compared (op_tensors, device_changes): each that
+ * moved to another device is sub.moves's Moved(pool, role, was, now, ref), ref made once
+ * per submission (sub.refs; with its values where sub.sampled), or with setup's full set,
+ * report(sub, before, after). A step of this that raises is counted (failed) and the move
+ * runs as it came (or its result is returned as it came).
+ * setup: (full, merged, report, failed, no_torch_function, anchor, tensor_type, pool_names,
+ *         pool_name, names, device_name, moved_type, ref_type, tensor_meta, tensor_ref) */
+enum { MV_FULL, MV_MERGED, MV_REPORT, MV_FAILED, MV_NTF, MV_ANCHOR, MV_TENSOR, MV_POOL_NAMES, MV_POOL_NAME,
+       MV_NAMES, MV_DEVICE_NAME, MV_MOVED, MV_REF_TYPE, MV_TENSOR_META, MV_TENSOR_REF, MV_N };
+
+static PyObject *op_tensors(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+static PyObject *device_changes(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+static PyObject *meta_ref(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+
+/* op_tensors(host, device, transfers, ...) with setup's constants; new reference */
+static PyObject *move_tensors(PyObject *const *setup, PyObject *host, PyObject *device, PyObject *transfers) {
+    PyObject *args[7] = {host,          device, transfers, setup[MV_ANCHOR], setup[MV_TENSOR], setup[MV_POOL_NAMES],
+                         setup[MV_POOL_NAME]};
+    return op_tensors(NULL, args, 7);
+}
+
+/* op.host_indices, op.device_indices, getattr(op, "pool_transfers", None): op's tensors */
+static PyObject *tensors_of_op(PyObject *const *setup, PyObject *op) {
+    PyObject *host = PyObject_GetAttr(op, s_host_indices);
+    PyObject *device = host ? PyObject_GetAttr(op, s_device_indices) : NULL;
+    PyObject *transfers = device ? attr_or_none(op, s_pool_transfers) : NULL;
+    PyObject *out = transfers ? move_tensors(setup, host, device, transfers) : NULL;
+    Py_XDECREF(host);
+    Py_XDECREF(device);
+    Py_XDECREF(transfers);
+    return out;
+}
+
+/* The tensors of a move's result: result[0], result[1], and result[2] where it has a third,
+ * else getattr(op, "pool_transfers", None). */
+static PyObject *tensors_of_result(PyObject *const *setup, PyObject *op, PyObject *result) {
+    Py_ssize_t n = PyObject_Length(result);
+    if (n < 0)
+        return NULL;
+    PyObject *host = PySequence_GetItem(result, 0);
+    PyObject *device = host ? PySequence_GetItem(result, 1) : NULL;
+    PyObject *transfers = !device ? NULL : n > 2 ? PySequence_GetItem(result, 2) : attr_or_none(op, s_pool_transfers);
+    PyObject *out = transfers ? move_tensors(setup, host, device, transfers) : NULL;
+    Py_XDECREF(host);
+    Py_XDECREF(device);
+    Py_XDECREF(transfers);
+    return out;
+}
+
+/* sub.ref(t, pool, role): t's TensorRef in this submission, made once (sub.refs, keyed
+ * (id(t), pool, role)): tensor_ref(t, pool, role) where sub.sampled, else meta_ref's. */
+static PyObject *submission_ref(PyObject *const *setup, PyObject *sub, PyObject *t, PyObject *pool, PyObject *role) {
+    PyObject *refs = PyObject_GetAttr(sub, s_refs);
+    if (!refs)
+        return NULL;
+    PyObject *id = PyLong_FromVoidPtr(t), *key = id ? PyTuple_Pack(3, id, pool, role) : NULL, *got = NULL;
+    Py_XDECREF(id);
+    if (!key)
+        goto done;
+    if (PyDict_Check(refs)) {
+        got = PyDict_GetItemWithError(refs, key);
+        Py_XINCREF(got);
+    } else {
+        got = PyObject_GetItem(refs, key);
+        if (!got && PyErr_ExceptionMatches(PyExc_KeyError))
+            PyErr_Clear();
+    }
+    if (got || PyErr_Occurred())
+        goto done;
+    PyObject *sampled = PyObject_GetAttr(sub, s_sampled);
+    int values = sampled ? PyObject_IsTrue(sampled) : -1;
+    Py_XDECREF(sampled);
+    if (values > 0) {
+        got = PyObject_CallFunctionObjArgs(setup[MV_TENSOR_REF], t, pool, role, NULL);
+    } else if (values == 0) {
+        PyObject *args[6] = {t, pool, role, setup[MV_REF_TYPE], setup[MV_NAMES], setup[MV_TENSOR_META]};
+        got = meta_ref(NULL, args, 6);
+    }
+    if (got && PyObject_SetItem(refs, key, got) < 0)
+        Py_CLEAR(got);
+done:
+    Py_XDECREF(key);
+    Py_DECREF(refs);
+    return got;
+}
+
+/* Each tensor of before that after holds as another object on another device: a Moved on
+ * sub.moves (under no_torch_function). 0, or -1 with an error. */
+static int note_moves(PyObject *const *setup, PyObject *sub, PyObject *before, PyObject *after) {
+    PyObject *ctx = PyObject_CallNoArgs(setup[MV_NTF]);
+    PyObject *entered = ctx ? PyObject_VectorcallMethod(s_enter, &ctx, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL) : NULL;
+    if (!entered) {
+        Py_XDECREF(ctx);
+        return -1;
+    }
+    Py_DECREF(entered);
+    PyObject *moves = PyObject_GetAttr(sub, s_moves), *out = NULL;
+    PyObject *args[4] = {before, after, setup[MV_NAMES], setup[MV_DEVICE_NAME]};
+    PyObject *changes = moves ? device_changes(NULL, args, 4) : NULL;
+    for (Py_ssize_t i = 0; changes && i < PyList_GET_SIZE(changes); i++) {
+        PyObject *row = PyList_GET_ITEM(changes, i); /* ((pool, role), was, now, dst) */
+        PyObject *key = PyTuple_GET_ITEM(row, 0);
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 2) {
+            PyErr_Format(PyExc_TypeError, "op_tensors gave the key %R, not (pool, role)", key);
+            goto fail;
+        }
+        PyObject *pool = PyTuple_GET_ITEM(key, 0), *role = PyTuple_GET_ITEM(key, 1);
+        PyObject *ref = submission_ref(setup, sub, PyTuple_GET_ITEM(row, 3), pool, role);
+        if (!ref)
+            goto fail;
+        PyObject *margs[5] = {pool, role, PyTuple_GET_ITEM(row, 1), PyTuple_GET_ITEM(row, 2), ref};
+        PyObject *moved = PyObject_Vectorcall(setup[MV_MOVED], margs, 5, NULL);
+        Py_DECREF(ref);
+        PyObject *r = moved ? PyObject_CallMethodOneArg(moves, s_append, moved) : NULL;
+        Py_XDECREF(moved);
+        if (!r)
+            goto fail;
+        Py_DECREF(r);
+    }
+    if (changes)
+        out = Py_None;
+fail:
+    Py_XDECREF(changes);
+    Py_XDECREF(moves);
+    out = lock_exit(ctx, out ? Py_NewRef(out) : NULL);
+    Py_DECREF(ctx);
+    if (!out)
+        return -1;
+    Py_DECREF(out);
+    return 0;
+}
+
+static PyObject *move_hook_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *original = self->refs[0], *current = self->refs[1], *fallback = self->refs[2];
+    if (PyVectorcall_NARGS(nargsf) < 1)
+        return PyObject_Vectorcall(fallback, args, nargsf, kwnames);
+    PyObject *sub = PyObject_GetAttr(current, s_sub);
+    if (!sub)
+        return NULL;
+    PyObject *had = sub == Py_None ? NULL : PyObject_GetAttr(sub, s_op);
+    if (sub == Py_None || !had || had != Py_None) {
+        Py_DECREF(sub);
+        if (!had && PyErr_Occurred())
+            return NULL;
+        Py_XDECREF(had);
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
+    }
+    Py_DECREF(had);
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[3], 0);
+    PyObject *op = args[0], *before = NULL, *result = NULL, *after = NULL;
+    int full = PyObject_IsTrue(setup[MV_FULL]);
+    if (full < 0 || PyObject_SetAttr(sub, s_op, op) < 0)
+        goto done;
+    PyObject *r = full ? PyObject_CallOneArg(setup[MV_MERGED], sub) : Py_NewRef(Py_None);
+    if (r && !full && PyObject_SetAttr(sub, s_merged_emitted, Py_True) < 0) /* the one event carries it */
+        Py_CLEAR(r);
+    Py_XDECREF(r);
+    if (r)
+        before = tensors_of_op(setup, op);
+    if (!before && count_failure(setup[MV_FAILED], "describe an index move") < 0)
+        goto done;
+    result = PyObject_Vectorcall(original, args, nargsf, kwnames);
+    if (!result || !before)
+        goto done;
+    after = tensors_of_result(setup, op, result);
+    int ok = -1;
+    if (after && full) {
+        PyObject *rep = PyObject_CallFunctionObjArgs(setup[MV_REPORT], sub, before, after, NULL);
+        ok = rep ? 0 : -1;
+        Py_XDECREF(rep);
+    } else if (after) {
+        ok = note_moves(setup, sub, before, after);
+    }
+    if (ok < 0 && count_failure(setup[MV_FAILED], "describe an index move") < 0)
+        Py_CLEAR(result);
+done:
+    Py_XDECREF(before);
+    Py_XDECREF(after);
+    Py_DECREF(sub);
+    return result;
+}
+
+static PyObject *move_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *refs[4];
+    static char *kw[] = {"original", "current", "fallback", "setup", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:MoveHook", kw, &refs[0], &refs[1], &refs[2], &refs[3]))
+        return NULL;
+    if (!PyCallable_Check(refs[0]) || !PyCallable_Check(refs[2])) {
+        PyErr_Format(PyExc_TypeError, "MoveHook(): original (the controller's move) and fallback are callables, got "
+                                      "%R and %R",
+                     refs[0], refs[2]);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(refs[3]) || PyTuple_GET_SIZE(refs[3]) != MV_N) {
+        PyErr_Format(PyExc_TypeError,
+                     "MoveHook(): setup is a tuple of %d (full, merged, report, failed, no_torch_function, anchor, "
+                     "tensor_type, pool_names, pool_name, names, device_name, moved_type, ref_type, tensor_meta, "
+                     "tensor_ref), got %R",
+                     MV_N, refs[3]);
+        return NULL;
+    }
+    int callables[] = {MV_MERGED, MV_REPORT, MV_FAILED, MV_NTF, MV_POOL_NAME, MV_DEVICE_NAME,
+                       MV_MOVED,  MV_REF_TYPE, MV_TENSOR_META, MV_TENSOR_REF};
+    for (size_t i = 0; i < sizeof callables / sizeof callables[0]; i++)
+        if (!PyCallable_Check(PyTuple_GET_ITEM(refs[3], callables[i]))) {
+            PyErr_Format(PyExc_TypeError, "MoveHook(): setup's item %d is a callable, got %R", callables[i],
+                         PyTuple_GET_ITEM(refs[3], callables[i]));
+            return NULL;
+        }
+    if (!PyDict_Check(PyTuple_GET_ITEM(refs[3], MV_POOL_NAMES)) ||
+        names_ok("MoveHook", PyTuple_GET_ITEM(refs[3], MV_NAMES)) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "MoveHook(): setup's pool_names is a dict");
+        return NULL;
+    }
+    return hook_new(type, (vectorcallfunc)move_hook_call, 4, refs);
+}
+
+HOOK_TYPE(MoveHookType, "MoveHook", move_hook_new);
+
+static PyObject *move_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("move_hook", nargs, 4) < 0)
+        return NULL;
+    return PyObject_Vectorcall((PyObject *)&MoveHookType, args, nargs, NULL);
+}
+
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
 static PyObject *take_error(void) {
     PyObject *t, *v, *tb;
@@ -3017,6 +3252,10 @@ static PyMethodDef module_methods[] = {
     {"submission_event", (PyCFunction)(void (*)(void))submission_event, METH_FASTCALL,
      "submission_event(emit, cls, sub, op_id, refs, result, now, pools, setup, /)\n--\n\nA submission's one "
      "event, emit(cls, **fields), from what the SGLang adapter's hooks noted on sub (see the module source)."},
+    {"move_hook", (PyCFunction)(void (*)(void))move_hook, METH_FASTCALL,
+     "move_hook(original, current, fallback, setup, /)\n--\n\nWhat the SGLang adapter puts as the controller's "
+     "op-level move: the submission's op noted, and the index tensors the move put on another device kept as its "
+     "moves (see the module source)."},
     {"slot_guard", (PyCFunction)(void (*)(void))slot_guard, METH_FASTCALL,
      "slot_guard(original, hook, watch, lock, /)\n--\n\nWhat the SGLang adapter puts as an allocator call that can "
      "change its free lists: with lock held, original's call inside another (watch.depth true), else hook's with "
@@ -3115,6 +3354,7 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&RecordObserverType, "RecordObserver"},
         {&CopyHookType, "CopyHook"},
         {&SlotGuardType, "SlotGuard"},
+        {&MoveHookType, "MoveHook"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];

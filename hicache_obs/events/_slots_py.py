@@ -1131,6 +1131,104 @@ def copy_hook(original: Any, current: Any, pool: Any, first: Any, setup: Any = N
     return copy
 
 
+def _submission_ref(setup: Any, sub: Any, t: Any, pool: Any, role: Any) -> Any:
+    """``t``'s ``TensorRef`` in this submission, made once (``sub.refs``, keyed ``(id(t), pool,
+    role)``): ``tensor_ref``'s where ``sub.sampled``, else :func:`meta_ref`'s."""
+    refs = sub.refs
+    key = (id(t), pool, role)
+    try:
+        return refs[key]
+    except KeyError:
+        pass
+    if sub.sampled:
+        got = setup[14](t, pool, role)
+    else:
+        got = meta_ref(t, pool, role, setup[12], setup[9], setup[13])
+    refs[key] = got
+    return got
+
+
+def _note_moves(setup: Any, sub: Any, before: Any, after: Any) -> None:
+    """Each tensor of ``before`` that ``after`` holds as another object on another device: a
+    ``Moved`` on ``sub.moves``."""
+    with setup[4]():
+        moves = sub.moves
+        for key, was, now, dst in device_changes(before, after, setup[9], setup[10]):
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise TypeError(f"op_tensors gave the key {key!r}, not (pool, role)")
+            pool, role = key
+            moves.append(setup[11](pool, role, was, now, _submission_ref(setup, sub, dst, pool, role)))
+
+
+def _move_tensors(setup: Any, host: Any, device: Any, transfers: Any) -> Any:
+    return op_tensors(host, device, transfers, setup[5], setup[6], setup[7], setup[8])
+
+
+def move_hook(original: Any, current: Any, fallback: Any, setup: Any, /) -> Any:
+    """What the SGLang adapter puts as the controller's op-level move of a merged op's indices
+    (``move(op, ...) -> (host, device[, transfers])``). A call outside a submission
+    (``current.sub`` None) or inside one whose op is set (an inner move) is ``original``'s as
+    it came; a call without ``op`` by position is ``fallback``'s. Else ``sub.op`` is ``op``, the
+    op is noted as merged, and the tensors of ``op`` before the call and of its result after
+    it are compared (:func:`op_tensors`, :func:`device_changes`): each that moved to another
+    device is ``sub.moves``'s ``Moved(pool, role, was, now, ref)``, ``ref`` made once per
+    submission (``sub.refs``; with its values where ``sub.sampled``), or with setup's ``full``
+    set, ``report(sub, before, after)``. A step of this that raises is counted (``failed``) and
+    the move runs as it came (or its result is returned as it came). ``setup``: ``(full,
+    merged, report, failed, no_torch_function, anchor, tensor_type, pool_names, pool_name,
+    names, device_name, moved_type, ref_type, tensor_meta, tensor_ref)``."""
+    if not callable(original) or not callable(fallback):
+        raise TypeError(
+            "MoveHook(): original (the controller's move) and fallback are callables, got "
+            f"{original!r} and {fallback!r}"
+        )
+    if type(setup) is not tuple or len(setup) != 15:
+        raise TypeError(
+            "MoveHook(): setup is a tuple of 15 (full, merged, report, failed, no_torch_function, anchor, "
+            "tensor_type, pool_names, pool_name, names, device_name, moved_type, ref_type, tensor_meta, "
+            f"tensor_ref), got {setup!r}"
+        )
+    for i in (1, 2, 3, 4, 8, 10, 11, 12, 13, 14):
+        if not callable(setup[i]):
+            raise TypeError(f"MoveHook(): setup's item {i} is a callable, got {setup[i]!r}")
+    if not isinstance(setup[7], dict):
+        raise TypeError("MoveHook(): setup's pool_names is a dict")
+    _names_ok("MoveHook", setup[9])
+    full, merged, report, failed = bool(setup[0]), setup[1], setup[2], setup[3]
+
+    def move(*args: Any, **kwargs: Any) -> Any:
+        if not args:
+            return fallback(*args, **kwargs)
+        sub = current.sub
+        if sub is None or sub.op is not None:
+            return original(*args, **kwargs)
+        op = args[0]
+        sub.op = op
+        try:
+            if full:
+                merged(sub)
+            else:
+                sub.merged_emitted = True  # the one event carries it
+            before = _move_tensors(setup, op.host_indices, op.device_indices, getattr(op, "pool_transfers", None))
+        except Exception:
+            _count_failure(failed, "describe an index move")
+            return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        try:
+            transfers = result[2] if len(result) > 2 else getattr(op, "pool_transfers", None)
+            after = _move_tensors(setup, result[0], result[1], transfers)
+            if full:
+                report(sub, before, after)
+            else:
+                _note_moves(setup, sub, before, after)
+        except Exception:
+            _count_failure(failed, "describe an index move")
+        return result
+
+    move.__wrapped__ = original  # type: ignore[attr-defined]
+    return move
+
+
 def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:
     """The SGLang adapter's conversion watch's entry: for each ``(role, tensor)`` of
     ``watched.values()`` that has a ``__dict__``, and each name of ``methods`` not in it

@@ -163,6 +163,7 @@ def test_the_fields_of_a_load_with_every_part() -> None:
                 _setup(queued_at, sidecars=(("mamba", "kv"),), audit=0.01),
             )
         load = f"stream@{id(LOAD):x}"
+        assert cls is OpsSubmitted
         assert fields == {
             "op": 7,
             "direction": "h2d",

@@ -59,6 +59,7 @@ from ..._native import (
     device_changes,
     device_of,
     meta_ref,
+    move_hook,
     op_tensors,
     place_observers,
     read_free_lists,
@@ -1294,6 +1295,28 @@ class Instrumentation:
         return make
 
     def _move_wrapper(self, takes_op: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The controller's op-level move: the op a submission merged, and the index tensors the
+        move put on another device. A move that takes the op runs through
+        :func:`~hicache_obs._native.move_hook` (this method's ``move`` where the op comes by
+        name); one that takes the anchor's (host, device) pair (``move_indices``) here."""
+        setup = (
+            self._full,
+            self._merged,
+            self._report_moves,
+            self._failed,
+            NO_TORCH_FUNCTION,
+            ANCHOR,
+            torch.Tensor,
+            _POOL_NAMES,
+            _pool_name,
+            _NAMES,
+            device_name,
+            Moved,
+            TensorRef,
+            tensor_meta,
+            tensor_ref,
+        )
+
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def move(op: Any, *args: Any, **kwargs: Any) -> Any:
                 sub = current.sub
@@ -1326,7 +1349,7 @@ class Instrumentation:
                 return result
 
             move.__wrapped__ = original  # type: ignore[attr-defined]
-            return move
+            return move_hook(original, current, move, setup) if takes_op else move
 
         return make
 
