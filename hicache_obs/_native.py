@@ -11,7 +11,8 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   submission (:func:`use_refs`, :func:`recorded`, :func:`op_tensors`,
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`,
   :func:`device_of`, :func:`slots_by_pool`, :func:`submission_event`), its ``record_stream`` observer
-  (:func:`record_observer`), its copy hook (:func:`copy_hook`), its move hook (:func:`move_hook`), its conversion watch's
+  (:func:`record_observer`), its copy hook (:func:`copy_hook`), its move hook (:func:`move_hook`), its start of a
+  submission (:func:`start_hook`, :class:`Submission`), its conversion watch's
   observer (:func:`conversion_observer`, put on and taken off by :func:`place_observers`
   and :func:`remove_observers`), its guard of an allocator's calls (:func:`slot_guard`)
   and its read of the allocator's free lists (:func:`read_free_lists`); twin:
@@ -52,6 +53,7 @@ __all__ = [
     "REQUIRE_EXTENSIONS_ENV",
     "LogCore",
     "SlotMap",
+    "Submission",
     "conversion_observer",
     "copy",
     "copy_hook",
@@ -75,6 +77,7 @@ __all__ = [
     "slot_guard",
     "submission_event",
     "slots_by_pool",
+    "start_hook",
     "use_refs",
     "value_ref",
 ]
@@ -195,6 +198,8 @@ meta_ref = _slots.meta_ref
 value_ref = _slots.value_ref
 device_of = _slots.device_of
 copy_hook = _slots.copy_hook
+start_hook = _slots.start_hook
+Submission = _slots.Submission
 move_hook = _slots.move_hook
 slot_guard = _slots.slot_guard
 submission_event = _slots.submission_event

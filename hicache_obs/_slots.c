@@ -39,6 +39,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <limits.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -911,7 +912,7 @@ static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
-static PyObject *s_refs, *s_merged_emitted;
+static PyObject *s_refs, *s_merged_emitted, *s_take;
 static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
 static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
     *s_write_back_jit, *s_add;
@@ -932,7 +933,7 @@ static int adapter_strings(void) {
         {&s_direction, "direction"}, {&s_host_indices_on_cpu, "host_indices_on_cpu"}, {&s_side_moves, "side_moves"},
         {&s_sampled, "sampled"}, {&s_moves, "moves"}, {&s_write_back_jit, "can_use_write_back_jit"}, {&s_add, "add"},
         {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
-        {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"},
+        {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"}, {&s_take, "take"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -2343,6 +2344,7 @@ static PyObject *remove_observers(PyObject *Py_UNUSED(mod), PyObject *placed);
 static PyObject *lock_exit(PyObject *lock, PyObject *out);
 static PyObject *take_error(void);
 static void raise_again(PyObject *v);
+static void in_context_of(PyObject *context);
 
 /* `except Exception: failed(what)` after a step that raised: 0 where the error was an
  * Exception and failed took it, -1 with an error (another BaseException, or failed's own). */
@@ -2898,6 +2900,222 @@ static PyObject *move_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_s
     return PyObject_Vectorcall((PyObject *)&MoveHookType, args, nargs, NULL);
 }
 
+/* ---------------------------------------------------------------- submissions
+ *
+ * Submission(inst, direction, queued, queued_ops=None): what one start_writing /
+ * start_loading call did, as the SGLang adapter's hooks observe it (the adapter subclasses
+ * it): inst, direction, queued (the merged ops' ids), queued_ops (the ops as queued; a new
+ * list where None), op (None), merged_emitted (False), uses ({}), records ([]), acks ([]),
+ * side_moves ([]), host_indices_on_cpu ([]), sampled (False), moves ([]), copied (set()),
+ * refs ({}). Every field is an attribute that can be set. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *inst, *direction, *queued, *queued_ops, *op, *merged_emitted, *uses, *records, *acks, *side_moves,
+        *host_indices_on_cpu, *sampled, *moves, *copied, *refs;
+} Submission;
+
+#define SUBMISSION_FIELDS(X)                                                                                     \
+    X(inst) X(direction) X(queued) X(queued_ops) X(op) X(merged_emitted) X(uses) X(records) X(acks) X(side_moves) \
+        X(host_indices_on_cpu) X(sampled) X(moves) X(copied) X(refs)
+
+static int submission_traverse(Submission *self, visitproc visit, void *arg) {
+#define VISIT(f) Py_VISIT(self->f);
+    SUBMISSION_FIELDS(VISIT)
+#undef VISIT
+    return 0;
+}
+
+static int submission_clear(Submission *self) {
+#define CLEAR(f) Py_CLEAR(self->f);
+    SUBMISSION_FIELDS(CLEAR)
+#undef CLEAR
+    return 0;
+}
+
+static void submission_dealloc(Submission *self) {
+    PyObject_GC_UnTrack(self);
+    submission_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int submission_init(Submission *self, PyObject *args, PyObject *kwargs) {
+    PyObject *inst, *direction, *queued, *queued_ops = Py_None;
+    static char *kw[] = {"inst", "direction", "queued", "queued_ops", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|O:Submission", kw, &inst, &direction, &queued, &queued_ops))
+        return -1;
+    PyObject *fresh[] = {queued_ops == Py_None ? PyList_New(0) : Py_NewRef(queued_ops), PyDict_New(), PyList_New(0),
+                         PyList_New(0), PyList_New(0), PyList_New(0), PyList_New(0), PySet_New(NULL), PyDict_New()};
+    int ok = 1;
+    for (size_t i = 0; i < sizeof fresh / sizeof fresh[0]; i++)
+        ok = ok && fresh[i];
+    if (!ok) {
+        for (size_t i = 0; i < sizeof fresh / sizeof fresh[0]; i++)
+            Py_XDECREF(fresh[i]);
+        return -1;
+    }
+    submission_clear(self); /* __init__ called again: a fresh start */
+    self->inst = Py_NewRef(inst);
+    self->direction = Py_NewRef(direction);
+    self->queued = Py_NewRef(queued);
+    self->queued_ops = fresh[0];
+    self->op = Py_NewRef(Py_None);
+    self->merged_emitted = Py_NewRef(Py_False);
+    self->uses = fresh[1];
+    self->records = fresh[2];
+    self->acks = fresh[3];
+    self->side_moves = fresh[4];
+    self->host_indices_on_cpu = fresh[5];
+    self->sampled = Py_NewRef(Py_False);
+    self->moves = fresh[6];
+    self->copied = fresh[7];
+    self->refs = fresh[8];
+    return 0;
+}
+
+static PyMemberDef submission_members[] = {
+#define MEMBER(f) {#f, T_OBJECT_EX, offsetof(Submission, f), 0, NULL},
+    SUBMISSION_FIELDS(MEMBER)
+#undef MEMBER
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject SubmissionType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.Submission",
+    .tp_doc = "Submission(inst, direction, queued, queued_ops=None): what one start_writing / start_loading call "
+              "did, as the SGLang adapter's hooks observe it.",
+    .tp_basicsize = sizeof(Submission),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)submission_init,
+    .tp_dealloc = (destructor)submission_dealloc,
+    .tp_traverse = (traverseproc)submission_traverse,
+    .tp_clear = (inquiry)submission_clear,
+    .tp_members = submission_members,
+};
+
+/* StartHook(original, current, queue, setup): what the SGLang adapter puts as the
+ * controller's start_writing / start_loading. setup: (owner, attribute, sub_type, inst,
+ * direction, sampler, finish). A call inside a submission already (current.sub set: the
+ * call re-entered), or one that finds getattr(owner, attribute) (its queue) empty, is
+ * original's as it came. Else sub = sub_type(inst, direction, (int(op.id), ...), the ops
+ * as queued), sub.sampled = sampler.take() where sampler is not None, current.sub = sub for
+ * the length of original's call (None after it, however it ended), and finish(sub, result,
+ * None) after it, or finish(sub, None, error) before its error is raised again. */
+enum { ST_OWNER, ST_ATTR, ST_SUB_TYPE, ST_INST, ST_DIRECTION, ST_SAMPLER, ST_FINISH, ST_N };
+
+/* (int(op.id), ...) of the queued ops */
+static PyObject *queued_ids(PyObject *ops) {
+    Py_ssize_t n = PyList_GET_SIZE(ops);
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *raw = PyObject_GetAttr(PyList_GET_ITEM(ops, i), s_id);
+        PyObject *id = raw ? PyNumber_Long(raw) : NULL;
+        Py_XDECREF(raw);
+        if (!id) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, id);
+    }
+    return out;
+}
+
+static PyObject *start_hook_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *original = self->refs[0], *current = self->refs[1];
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[2], 0);
+    PyObject *was = PyObject_GetAttr(current, s_sub);
+    if (!was)
+        return NULL;
+    int inside = was != Py_None;
+    Py_DECREF(was);
+    if (inside)
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
+    PyObject *queue = PyObject_GetAttr(setup[ST_OWNER], setup[ST_ATTR]);
+    PyObject *ops = queue ? PySequence_List(queue) : NULL;
+    Py_XDECREF(queue);
+    if (!ops)
+        return NULL;
+    if (PyList_GET_SIZE(ops) == 0) {
+        Py_DECREF(ops);
+        return PyObject_Vectorcall(original, args, nargsf, kwnames);
+    }
+    PyObject *queued = queued_ids(ops), *sub = NULL;
+    if (queued) {
+        PyObject *sargs[4] = {setup[ST_INST], setup[ST_DIRECTION], queued, ops};
+        sub = PyObject_Vectorcall(setup[ST_SUB_TYPE], sargs, 4, NULL);
+    }
+    Py_XDECREF(queued);
+    Py_DECREF(ops);
+    if (!sub)
+        return NULL;
+    if (setup[ST_SAMPLER] != Py_None) {
+        PyObject *picked = PyObject_CallMethodNoArgs(setup[ST_SAMPLER], s_take);
+        int r = picked ? PyObject_SetAttr(sub, s_sampled, picked) : -1;
+        Py_XDECREF(picked);
+        if (r < 0) {
+            Py_DECREF(sub);
+            return NULL;
+        }
+    }
+    if (PyObject_SetAttr(current, s_sub, sub) < 0) {
+        Py_DECREF(sub);
+        return NULL;
+    }
+    PyObject *result = PyObject_Vectorcall(original, args, nargsf, kwnames);
+    PyObject *raised = result ? NULL : take_error();
+    if (PyObject_SetAttr(current, s_sub, Py_None) < 0) {
+        Py_XDECREF(result);
+        in_context_of(raised);
+        Py_DECREF(sub);
+        return NULL;
+    }
+    PyObject *fargs[3] = {sub, result ? result : Py_None, raised ? raised : Py_None};
+    PyObject *r = PyObject_Vectorcall(setup[ST_FINISH], fargs, 3, NULL);
+    Py_DECREF(sub);
+    if (!r) {
+        Py_XDECREF(result);
+        in_context_of(raised);
+        return NULL;
+    }
+    Py_DECREF(r);
+    if (raised) {
+        raise_again(raised);
+        return NULL;
+    }
+    return result;
+}
+
+static PyObject *start_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *refs[3];
+    static char *kw[] = {"original", "current", "setup", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:StartHook", kw, &refs[0], &refs[1], &refs[2]))
+        return NULL;
+    PyObject *setup = refs[2];
+    if (!PyCallable_Check(refs[0])) {
+        PyErr_Format(PyExc_TypeError, "StartHook(): original (the controller's start) is a callable, got %R", refs[0]);
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(setup) || PyTuple_GET_SIZE(setup) != ST_N || !PyUnicode_Check(PyTuple_GET_ITEM(setup, ST_ATTR)) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(setup, ST_SUB_TYPE)) || !PyCallable_Check(PyTuple_GET_ITEM(setup, ST_FINISH))) {
+        PyErr_Format(PyExc_TypeError,
+                     "StartHook(): setup is (owner, attribute name, sub_type, inst, direction, sampler or None, finish), "
+                     "sub_type and finish callables, got %R",
+                     setup);
+        return NULL;
+    }
+    return hook_new(type, (vectorcallfunc)start_hook_call, 3, refs);
+}
+
+HOOK_TYPE(StartHookType, "StartHook", start_hook_new);
+
+static PyObject *start_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs) {
+    if (takes("start_hook", nargs, 3) < 0)
+        return NULL;
+    return PyObject_Vectorcall((PyObject *)&StartHookType, args, nargs, NULL);
+}
+
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
 static PyObject *take_error(void) {
     PyObject *t, *v, *tb;
@@ -3256,6 +3474,10 @@ static PyMethodDef module_methods[] = {
      "move_hook(original, current, fallback, setup, /)\n--\n\nWhat the SGLang adapter puts as the controller's "
      "op-level move: the submission's op noted, and the index tensors the move put on another device kept as its "
      "moves (see the module source)."},
+    {"start_hook", (PyCFunction)(void (*)(void))start_hook, METH_FASTCALL,
+     "start_hook(original, current, setup, /)\n--\n\nWhat the SGLang adapter puts as the controller's "
+     "start_writing / start_loading: a Submission of the queued ops as current.sub for the call's length, handed "
+     "to finish after it (see the module source)."},
     {"slot_guard", (PyCFunction)(void (*)(void))slot_guard, METH_FASTCALL,
      "slot_guard(original, hook, watch, lock, /)\n--\n\nWhat the SGLang adapter puts as an allocator call that can "
      "change its free lists: with lock held, original's call inside another (watch.depth true), else hook's with "
@@ -3355,6 +3577,8 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&CopyHookType, "CopyHook"},
         {&SlotGuardType, "SlotGuard"},
         {&MoveHookType, "MoveHook"},
+        {&StartHookType, "StartHook"},
+        {&SubmissionType, "Submission"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];

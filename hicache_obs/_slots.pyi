@@ -48,6 +48,26 @@ def submission_event(
     emit: Any, cls: Any, sub: Any, op_id: Any, refs: Any, result: Any, now: Any, pools: Any, setup: Any, /
 ) -> Any: ...
 def move_hook(original: Any, current: Any, fallback: Any, setup: Any, /) -> Any: ...
+def start_hook(original: Any, current: Any, setup: Any, /) -> Any: ...
+
+class Submission:
+    inst: Any
+    direction: Any
+    queued: Any
+    queued_ops: Any
+    op: Any
+    merged_emitted: Any
+    uses: Any
+    records: Any
+    acks: Any
+    side_moves: Any
+    host_indices_on_cpu: Any
+    sampled: Any
+    moves: Any
+    copied: Any
+    refs: Any
+    def __init__(self, inst: Any, direction: Any, queued: Any, queued_ops: Any = None) -> None: ...
+
 def slot_guard(original: Any, hook: Any, watch: Any, lock: Any, /) -> Any: ...
 def slots_by_pool(op: Any, anchor: Any, pool_names: Any, pool_name: Any, /) -> tuple[tuple[Any, int], ...]: ...
 def conversion_observer(method: Any, src: Any, role: Any, watch: Any, tensor_type: Any, /) -> Any: ...

@@ -1229,6 +1229,85 @@ def move_hook(original: Any, current: Any, fallback: Any, setup: Any, /) -> Any:
     return move
 
 
+class Submission:
+    """What one ``start_writing`` / ``start_loading`` call did, as the SGLang adapter's hooks
+    observe it (the adapter subclasses it): ``inst``, ``direction``, ``queued`` (the merged
+    ops' ids), ``queued_ops`` (the ops as queued; a new list where None), ``op`` (None),
+    ``merged_emitted`` (False), ``uses`` ({}), ``records`` ([]), ``acks`` ([]), ``side_moves``
+    ([]), ``host_indices_on_cpu`` ([]), ``sampled`` (False), ``moves`` ([]), ``copied``
+    (``set()``), ``refs`` ({})."""
+
+    __slots__ = (
+        "inst", "direction", "queued", "queued_ops", "op", "merged_emitted", "uses", "records", "acks",
+        "side_moves", "host_indices_on_cpu", "sampled", "moves", "copied", "refs",
+    )  # fmt: skip
+
+    def __init__(self, inst: Any, direction: Any, queued: Any, queued_ops: Any = None) -> None:
+        self.inst = inst
+        self.direction = direction
+        self.queued = queued
+        self.queued_ops = [] if queued_ops is None else queued_ops
+        self.op: Any = None
+        self.merged_emitted: Any = False
+        self.uses: Any = {}
+        self.records: Any = []
+        self.acks: Any = []
+        self.side_moves: Any = []
+        self.host_indices_on_cpu: Any = []
+        self.sampled: Any = False
+        self.moves: Any = []
+        self.copied: Any = set()
+        self.refs: Any = {}
+
+
+def start_hook(original: Any, current: Any, setup: Any, /) -> Any:
+    """What the SGLang adapter puts as the controller's ``start_writing`` / ``start_loading``.
+    ``setup``: ``(owner, attribute, sub_type, inst, direction, sampler, finish)``. A call inside
+    a submission already (``current.sub`` set: the call re-entered), or one that finds
+    ``getattr(owner, attribute)`` (its queue) empty, is ``original``'s as it came. Else ``sub =
+    sub_type(inst, direction, (int(op.id), ...), the ops as queued)``, ``sub.sampled =
+    sampler.take()`` where ``sampler`` is not None, ``current.sub = sub`` for the length of
+    ``original``'s call (None after it, however it ended), and ``finish(sub, result, None)``
+    after it, or ``finish(sub, None, error)`` before its error is raised again."""
+    if not callable(original):
+        raise TypeError(f"StartHook(): original (the controller's start) is a callable, got {original!r}")
+    if not (
+        type(setup) is tuple
+        and len(setup) == 7
+        and isinstance(setup[1], str)
+        and callable(setup[2])
+        and callable(setup[6])
+    ):
+        raise TypeError(
+            "StartHook(): setup is (owner, attribute name, sub_type, inst, direction, sampler or None, finish), "
+            f"sub_type and finish callables, got {setup!r}"
+        )
+    owner, attr, sub_type, inst, direction, sampler, finish = setup
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        if current.sub is not None:  # re-entered: one submission
+            return original(*args, **kwargs)
+        ops = list(getattr(owner, attr))
+        if not ops:
+            return original(*args, **kwargs)
+        sub = sub_type(inst, direction, tuple([int(op.id) for op in ops]), ops)
+        if sampler is not None:
+            sub.sampled = sampler.take()
+        current.sub = sub
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            current.sub = None
+            finish(sub, None, exc)
+            raise
+        current.sub = None
+        finish(sub, result, None)
+        return result
+
+    start.__wrapped__ = original  # type: ignore[attr-defined]
+    return start
+
+
 def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:
     """The SGLang adapter's conversion watch's entry: for each ``(role, tensor)`` of
     ``watched.values()`` that has a ``__dict__``, and each name of ``methods`` not in it

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from ..._native import (
+    Submission,
     copy_hook,
     device_changes,
     device_of,
@@ -69,6 +70,7 @@ from ..._native import (
     runs_of,
     slot_guard,
     slots_by_pool,
+    start_hook,
     submission_event,
     use_refs,
 )
@@ -261,37 +263,18 @@ class _ConversionWatch:
 
 
 # ------------------------------------------------------------------ submissions
-class _Submission:
-    """What one ``start_writing``/``start_loading`` call did, as observed."""
+class _Submission(Submission):
+    """What one ``start_writing``/``start_loading`` call did, as observed
+    (:class:`~hicache_obs._native.Submission`): the merged ops (``queued``, ``queued_ops``),
+    the op its move took (``op``), the index tensors its copies received (``uses``, ``copied``)
+    and those a copy moved itself (``side_moves``: (pool, role, src device, dst device, new
+    tensor)), the ``record_stream`` calls (``records``: (tensor, stream), as made), its acks,
+    the pools whose copy took CPU host indices by design (``host_indices_on_cpu``: a staged
+    write-back kernel), whether the full audit picked it (``sampled``), the op-level moves
+    (``moves``) and each tensor's description (``refs``: (id(tensor), pool, role) -> TensorRef,
+    made once)."""
 
-    __slots__ = (
-        "inst", "direction", "queued", "queued_ops", "op", "merged_emitted", "uses", "records", "acks",
-        "side_moves", "host_indices_on_cpu", "sampled", "moves", "copied", "refs",
-    )  # fmt: skip
-
-    def __init__(
-        self, inst: Instrumentation, direction: str, queued: tuple[int, ...], queued_ops: list[Any] | None = None
-    ) -> None:
-        self.inst = inst
-        self.direction = direction
-        self.queued = queued
-        self.queued_ops = [] if queued_ops is None else queued_ops
-        self.op: Any = None
-        self.merged_emitted = False
-        self.uses: dict[tuple[str, str], torch.Tensor] = {}
-        self.records: list[tuple[torch.Tensor, Any]] = []  # (tensor, stream), as made
-        self.acks: list[Any] = []
-        # moves a pool's copy made itself: (pool, role, src device, dst device, new tensor)
-        self.side_moves: list[tuple[str, str, str, str, TensorRef]] = []
-        # pools whose copy took CPU host indices by design (a staged write-back kernel)
-        self.host_indices_on_cpu: list[str] = []
-        # picked for the full audit (profile ``sampling``); the op-level moves (one event profiles)
-        self.sampled = False
-        self.moves: list[Moved] = []
-        # (pool, id(host indices), id(device indices)) of the copies seen: the tensors stay alive with the op
-        self.copied: set[tuple[str, int, int]] = set()
-        # (id(tensor), pool, role) -> its TensorRef (one event profiles: each tensor described once)
-        self.refs: dict[tuple[int, str, str], TensorRef] = {}
+    __slots__ = ()
 
     def ref(self, t: torch.Tensor, pool: str, role: str) -> TensorRef:
         """``t``'s description in this submission (its values where ``sampled``), made once."""
@@ -1266,31 +1249,22 @@ class Instrumentation:
 
     # ----------------------------------------------------------- wrappers
     def _submission_wrapper(self, direction: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        queue_attr = "write_queue" if direction == D2H else "load_queue"
+        """The controller's start of its write or load queue
+        (:func:`~hicache_obs._native.start_hook`): the queued ops as one submission, its
+        events once the call returned or raised (:meth:`_finish`)."""
+        sampler = None if self._full else self._sampler
+        setup = (
+            self.controller,
+            "write_queue" if direction == D2H else "load_queue",
+            _Submission,
+            self,
+            direction,
+            sampler,
+            self._finish,
+        )
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            def start(*args: Any, **kwargs: Any) -> Any:
-                if current.sub is not None:  # re-entered: one submission
-                    return original(*args, **kwargs)
-                ops = list(getattr(self.controller, queue_attr))
-                if not ops:
-                    return original(*args, **kwargs)
-                sub = _Submission(self, direction, tuple([int(op.id) for op in ops]), ops)
-                if not self._full:
-                    sub.sampled = self._sampler.take()
-                current.sub = sub
-                try:
-                    result = original(*args, **kwargs)
-                except BaseException as exc:
-                    current.sub = None
-                    self._finish(sub, None, exc)
-                    raise
-                current.sub = None
-                self._finish(sub, result, None)
-                return result
-
-            start.__wrapped__ = original  # type: ignore[attr-defined]
-            return start
+            return start_hook(original, current, setup)
 
         return make
 
