@@ -12,7 +12,8 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   :func:`device_changes`, :func:`received`, :func:`meta_ref`, :func:`value_ref`,
   :func:`device_of`, :func:`slots_by_pool`, :func:`submission_event`), its ``record_stream`` observer
   (:func:`record_observer`), its copy hook (:func:`copy_hook`), its move hook (:func:`move_hook`), its start of a
-  submission (:func:`start_hook`, :class:`Submission`), its conversion watch's
+  submission (:func:`start_hook`, :class:`Submission`), its queues (:class:`OpQueue`,
+  :class:`AckQueue`, :class:`Stamp`, :class:`AckNote`), its conversion watch's
   observer (:func:`conversion_observer`, put on and taken off by :func:`place_observers`
   and :func:`remove_observers`), its guard of an allocator's calls (:func:`slot_guard`)
   and its read of the allocator's free lists (:func:`read_free_lists`); twin:
@@ -54,6 +55,10 @@ __all__ = [
     "LogCore",
     "SlotMap",
     "Submission",
+    "OpQueue",
+    "AckQueue",
+    "Stamp",
+    "AckNote",
     "conversion_observer",
     "copy",
     "copy_hook",
@@ -200,6 +205,10 @@ device_of = _slots.device_of
 copy_hook = _slots.copy_hook
 start_hook = _slots.start_hook
 Submission = _slots.Submission
+OpQueue = _slots.OpQueue
+AckQueue = _slots.AckQueue
+Stamp = _slots.Stamp
+AckNote = _slots.AckNote
 move_hook = _slots.move_hook
 slot_guard = _slots.slot_guard
 submission_event = _slots.submission_event

@@ -912,7 +912,7 @@ static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
-static PyObject *s_refs, *s_merged_emitted, *s_take;
+static PyObject *s_refs, *s_merged_emitted, *s_take, *s_acks;
 static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
 static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
     *s_write_back_jit, *s_add;
@@ -933,7 +933,7 @@ static int adapter_strings(void) {
         {&s_direction, "direction"}, {&s_host_indices_on_cpu, "host_indices_on_cpu"}, {&s_side_moves, "side_moves"},
         {&s_sampled, "sampled"}, {&s_moves, "moves"}, {&s_write_back_jit, "can_use_write_back_jit"}, {&s_add, "add"},
         {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
-        {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"}, {&s_take, "take"},
+        {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"}, {&s_take, "take"}, {&s_acks, "acks"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -3116,6 +3116,401 @@ static PyObject *start_hook(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_
     return PyObject_Vectorcall((PyObject *)&StartHookType, args, nargs, NULL);
 }
 
+/* ---------------------------------------------------------------- queues
+ *
+ * OpQueue(items, on_append, on_cleared): a list (the SGLang controller's write or load
+ * queue, swapped in by the adapter) whose append(op) calls on_append(op) after appending,
+ * and whose clear() calls on_cleared(ops) with the ops it took, where it took any.
+ * AckQueue(items, on_append, on_taken, on_cleared): a list (an ack queue) whose append(ack)
+ * calls on_append(ack); pop(), remove() and del take acks out, each then on_taken(ack) in
+ * queue order; clear() calls on_cleared(ack) for each ack it took, in queue order. Every
+ * other list operation is the list's own. A callback's error is raised after the list
+ * changed. */
+typedef struct {
+    PyListObject list;
+    PyObject *on_append, *on_taken, *on_cleared; /* on_taken: NULL in an OpQueue */
+} Queue;
+
+static int queue_traverse(Queue *self, visitproc visit, void *arg) {
+    Py_VISIT(self->on_append);
+    Py_VISIT(self->on_taken);
+    Py_VISIT(self->on_cleared);
+    return PyList_Type.tp_traverse((PyObject *)self, visit, arg);
+}
+
+static int queue_clear_refs(Queue *self) {
+    Py_CLEAR(self->on_append);
+    Py_CLEAR(self->on_taken);
+    Py_CLEAR(self->on_cleared);
+    return PyList_Type.tp_clear((PyObject *)self);
+}
+
+static void queue_dealloc(Queue *self) {
+    PyObject_GC_UnTrack(self);
+    Py_CLEAR(self->on_append);
+    Py_CLEAR(self->on_taken);
+    Py_CLEAR(self->on_cleared);
+    PyList_Type.tp_dealloc((PyObject *)self);
+}
+
+static int queue_set_callbacks(Queue *self, PyObject *const *cbs, int n, const char *type) {
+    for (int i = 0; i < n; i++)
+        if (!PyCallable_Check(cbs[i])) {
+            PyErr_Format(PyExc_TypeError, "%s(): the callbacks are callables, got %R", type, cbs[i]);
+            return -1;
+        }
+    Py_XSETREF(self->on_append, Py_NewRef(cbs[0]));
+    if (n == 3) {
+        Py_XSETREF(self->on_taken, Py_NewRef(cbs[1]));
+        Py_XSETREF(self->on_cleared, Py_NewRef(cbs[2]));
+    } else {
+        Py_XSETREF(self->on_cleared, Py_NewRef(cbs[1]));
+    }
+    return 0;
+}
+
+/* list.__init__(self, items), then the callbacks */
+static int queue_init_items(Queue *self, PyObject *items) {
+    PyObject *args = PyTuple_Pack(1, items);
+    if (!args)
+        return -1;
+    int r = PyList_Type.tp_init((PyObject *)self, args, NULL);
+    Py_DECREF(args);
+    return r;
+}
+
+static int op_queue_init(Queue *self, PyObject *args, PyObject *kwargs) {
+    PyObject *items, *cbs[2];
+    static char *kw[] = {"items", "on_append", "on_cleared", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:OpQueue", kw, &items, &cbs[0], &cbs[1]))
+        return -1;
+    if (queue_set_callbacks(self, cbs, 2, "OpQueue") < 0)
+        return -1;
+    return queue_init_items(self, items);
+}
+
+static int ack_queue_init(Queue *self, PyObject *args, PyObject *kwargs) {
+    PyObject *items, *cbs[3];
+    static char *kw[] = {"items", "on_append", "on_taken", "on_cleared", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO:AckQueue", kw, &items, &cbs[0], &cbs[1], &cbs[2]))
+        return -1;
+    if (queue_set_callbacks(self, cbs, 3, "AckQueue") < 0)
+        return -1;
+    return queue_init_items(self, items);
+}
+
+/* cb(item); NULL with an error */
+static PyObject *queue_tell(PyObject *cb, PyObject *item) {
+    if (!cb) {
+        PyErr_SetString(PyExc_RuntimeError, "a queue whose __init__ did not run");
+        return NULL;
+    }
+    PyObject *r = PyObject_CallOneArg(cb, item);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *queue_append(Queue *self, PyObject *item) {
+    if (PyList_Append((PyObject *)self, item) < 0)
+        return NULL;
+    return queue_tell(self->on_append, item);
+}
+
+/* clear(): the items taken, then on_cleared(items) (an OpQueue, where it took any) or
+ * on_cleared(item) for each (an AckQueue) */
+static PyObject *queue_clear(Queue *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *taken = PyList_GetSlice((PyObject *)self, 0, PY_SSIZE_T_MAX);
+    if (!taken)
+        return NULL;
+    if (PyList_SetSlice((PyObject *)self, 0, PY_SSIZE_T_MAX, NULL) < 0) {
+        Py_DECREF(taken);
+        return NULL;
+    }
+    PyObject *r = Py_NewRef(Py_None);
+    if (!self->on_taken) {
+        if (PyList_GET_SIZE(taken)) {
+            Py_DECREF(r);
+            r = queue_tell(self->on_cleared, taken);
+        }
+    } else {
+        for (Py_ssize_t i = 0; r && i < PyList_GET_SIZE(taken); i++) {
+            Py_DECREF(r);
+            r = queue_tell(self->on_cleared, PyList_GET_ITEM(taken, i));
+        }
+    }
+    Py_DECREF(taken);
+    return r;
+}
+
+static PyObject *list_pop, *list_remove; /* list.pop, list.remove: read once when the module loads */
+
+static PyObject *ack_queue_pop(Queue *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "pop expected at most 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *full[2] = {(PyObject *)self, nargs ? args[0] : NULL};
+    PyObject *ack = PyObject_Vectorcall(list_pop, full, 1 + nargs, NULL);
+    if (!ack)
+        return NULL;
+    PyObject *r = queue_tell(self->on_taken, ack);
+    if (!r) {
+        Py_DECREF(ack);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return ack;
+}
+
+static PyObject *ack_queue_remove(Queue *self, PyObject *ack) {
+    PyObject *full[2] = {(PyObject *)self, ack};
+    PyObject *r = PyObject_Vectorcall(list_remove, full, 2, NULL);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    return queue_tell(self->on_taken, ack);
+}
+
+/* self[key] = value as the list does it; del self[key]: the acks taken, then on_taken for each */
+static int ack_queue_ass_subscript(Queue *self, PyObject *key, PyObject *value) {
+    if (value)
+        return PyList_Type.tp_as_mapping->mp_ass_subscript((PyObject *)self, key, value);
+    PyObject *got = PyList_Type.tp_as_mapping->mp_subscript((PyObject *)self, key);
+    if (!got)
+        return -1;
+    PyObject *taken = PySlice_Check(key) ? got : PyList_New(1);
+    if (!taken) {
+        Py_DECREF(got);
+        return -1;
+    }
+    if (taken != got)
+        PyList_SET_ITEM(taken, 0, got);
+    if (PyList_Type.tp_as_mapping->mp_ass_subscript((PyObject *)self, key, NULL) < 0) {
+        Py_DECREF(taken);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(taken); i++) {
+        PyObject *r = queue_tell(self->on_taken, PyList_GET_ITEM(taken, i));
+        if (!r) {
+            Py_DECREF(taken);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(taken);
+    return 0;
+}
+
+static PyObject *queue_reduce(Queue *self, PyObject *Py_UNUSED(ignored)) {
+    PyErr_Format(PyExc_TypeError, "cannot pickle %s: it observes a live controller's queue", Py_TYPE(self)->tp_name);
+    return NULL;
+}
+
+static PyMethodDef op_queue_methods[] = {
+    {"append", (PyCFunction)queue_append, METH_O, "Append an op, then on_append(op)."},
+    {"clear", (PyCFunction)queue_clear, METH_NOARGS, "Remove every op, then on_cleared(ops) where there were any."},
+    {"__reduce__", (PyCFunction)queue_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef ack_queue_methods[] = {
+    {"append", (PyCFunction)queue_append, METH_O, "Append an ack, then on_append(ack)."},
+    {"pop", (PyCFunction)(void (*)(void))ack_queue_pop, METH_FASTCALL, "Take an ack out (the last by default), then "
+                                                                       "on_taken(ack)."},
+    {"remove", (PyCFunction)ack_queue_remove, METH_O, "Take an ack out, then on_taken(ack)."},
+    {"clear", (PyCFunction)queue_clear, METH_NOARGS, "Remove every ack, then on_cleared(ack) for each, in order."},
+    {"__reduce__", (PyCFunction)queue_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods ack_queue_mapping;
+
+static PyTypeObject OpQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.OpQueue",
+    .tp_doc = "OpQueue(items, on_append, on_cleared): a list whose append and clear report what they did.",
+    .tp_basicsize = sizeof(Queue),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_LIST_SUBCLASS,
+    .tp_init = (initproc)op_queue_init,
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_traverse = (traverseproc)queue_traverse,
+    .tp_clear = (inquiry)queue_clear_refs,
+    .tp_methods = op_queue_methods,
+};
+
+static PyTypeObject AckQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.AckQueue",
+    .tp_doc = "AckQueue(items, on_append, on_taken, on_cleared): a list whose append, pop, remove, del and clear "
+              "report the acks they added or took.",
+    .tp_basicsize = sizeof(Queue),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_LIST_SUBCLASS,
+    .tp_init = (initproc)ack_queue_init,
+    .tp_dealloc = (destructor)queue_dealloc,
+    .tp_traverse = (traverseproc)queue_traverse,
+    .tp_clear = (inquiry)queue_clear_refs,
+    .tp_methods = ack_queue_methods,
+    .tp_as_mapping = &ack_queue_mapping,
+};
+
+/* Stamp(times, clock): a callable that notes times[id(x)] = clock() for each x it is called with. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *times, *clock;
+} Stamp;
+
+static PyObject *stamp_call(Stamp *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "Stamp() takes the one object it stamps");
+        return NULL;
+    }
+    PyObject *now = PyObject_CallNoArgs(self->clock);
+    PyObject *key = now ? PyLong_FromVoidPtr(args[0]) : NULL;
+    int r = key ? PyObject_SetItem(self->times, key, now) : -1;
+    Py_XDECREF(now);
+    Py_XDECREF(key);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *stamp_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *times, *clock;
+    static char *kw[] = {"times", "clock", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Stamp", kw, &times, &clock))
+        return NULL;
+    if (!PyDict_Check(times) || !PyCallable_Check(clock)) {
+        PyErr_Format(PyExc_TypeError, "Stamp(): times is a dict and clock a callable, got %R and %R", times, clock);
+        return NULL;
+    }
+    Stamp *self = (Stamp *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->times = Py_NewRef(times);
+    self->clock = Py_NewRef(clock);
+    self->vectorcall = (vectorcallfunc)stamp_call;
+    return (PyObject *)self;
+}
+
+static int stamp_traverse(Stamp *self, visitproc visit, void *arg) {
+    Py_VISIT(self->times);
+    Py_VISIT(self->clock);
+    return 0;
+}
+
+static int stamp_clear(Stamp *self) {
+    Py_CLEAR(self->times);
+    Py_CLEAR(self->clock);
+    return 0;
+}
+
+static void stamp_dealloc(Stamp *self) {
+    PyObject_GC_UnTrack(self);
+    stamp_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject StampType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.Stamp",
+    .tp_doc = "Stamp(times, clock): called with x, notes times[id(x)] = clock().",
+    .tp_basicsize = sizeof(Stamp),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(Stamp, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = stamp_new,
+    .tp_dealloc = (destructor)stamp_dealloc,
+    .tp_traverse = (traverseproc)stamp_traverse,
+    .tp_clear = (inquiry)stamp_clear,
+};
+
+/* AckNote(current, direction, failed): the ack queue's on_append: an ack appended inside a
+ * submission of this direction (current.sub.direction) joins current.sub.acks. A failure is
+ * failed("note an ack of a submission"), never raised into the append. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *current, *direction, *failed;
+} AckNote;
+
+static PyObject *ack_note_call(AckNote *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "AckNote() takes the one ack appended");
+        return NULL;
+    }
+    int r = -1;
+    PyObject *sub = PyObject_GetAttr(self->current, s_sub);
+    if (sub == Py_None) {
+        r = 0;
+    } else if (sub) {
+        PyObject *direction = PyObject_GetAttr(sub, s_direction);
+        int mine = direction ? PyObject_RichCompareBool(direction, self->direction, Py_EQ) : -1;
+        Py_XDECREF(direction);
+        PyObject *acks = mine > 0 ? PyObject_GetAttr(sub, s_acks) : NULL;
+        PyObject *done = acks ? PyObject_CallMethodOneArg(acks, s_append, args[0]) : NULL;
+        Py_XDECREF(acks);
+        Py_XDECREF(done);
+        r = mine == 0 ? 0 : done ? 0 : -1;
+    }
+    Py_XDECREF(sub);
+    if (r < 0 && count_failure(self->failed, "note an ack of a submission") < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ack_note_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *current, *direction, *failed;
+    static char *kw[] = {"current", "direction", "failed", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:AckNote", kw, &current, &direction, &failed))
+        return NULL;
+    if (!PyCallable_Check(failed)) {
+        PyErr_Format(PyExc_TypeError, "AckNote(): failed is a callable, got %R", failed);
+        return NULL;
+    }
+    AckNote *self = (AckNote *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->current = Py_NewRef(current);
+    self->direction = Py_NewRef(direction);
+    self->failed = Py_NewRef(failed);
+    self->vectorcall = (vectorcallfunc)ack_note_call;
+    return (PyObject *)self;
+}
+
+static int ack_note_traverse(AckNote *self, visitproc visit, void *arg) {
+    Py_VISIT(self->current);
+    Py_VISIT(self->direction);
+    Py_VISIT(self->failed);
+    return 0;
+}
+
+static int ack_note_clear(AckNote *self) {
+    Py_CLEAR(self->current);
+    Py_CLEAR(self->direction);
+    Py_CLEAR(self->failed);
+    return 0;
+}
+
+static void ack_note_dealloc(AckNote *self) {
+    PyObject_GC_UnTrack(self);
+    ack_note_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject AckNoteType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.AckNote",
+    .tp_doc = "AckNote(current, direction, failed): called with an ack appended, adds it to current.sub.acks where "
+              "current.sub is a submission of this direction.",
+    .tp_basicsize = sizeof(AckNote),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(AckNote, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = ack_note_new,
+    .tp_dealloc = (destructor)ack_note_dealloc,
+    .tp_traverse = (traverseproc)ack_note_traverse,
+    .tp_clear = (inquiry)ack_note_clear,
+};
+
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
 static PyObject *take_error(void) {
     PyObject *t, *v, *tb;
@@ -3579,9 +3974,20 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&MoveHookType, "MoveHook"},
         {&StartHookType, "StartHook"},
         {&SubmissionType, "Submission"},
+        {&OpQueueType, "OpQueue"},
+        {&AckQueueType, "AckQueue"},
+        {&StampType, "Stamp"},
+        {&AckNoteType, "AckNote"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];
+    OpQueueType.tp_base = AckQueueType.tp_base = &PyList_Type;
+    list_pop = PyObject_GetAttrString((PyObject *)&PyList_Type, "pop");
+    list_remove = PyObject_GetAttrString((PyObject *)&PyList_Type, "remove");
+    if (!list_pop || !list_remove)
+        return NULL;
+    ack_queue_mapping = *PyList_Type.tp_as_mapping;
+    ack_queue_mapping.mp_ass_subscript = (objobjargproc)ack_queue_ass_subscript;
     for (size_t i = 0; i < n; i++)
         if (PyType_Ready(types[i].type) < 0)
             return NULL;

@@ -1308,6 +1308,116 @@ def start_hook(original: Any, current: Any, setup: Any, /) -> Any:
     return start
 
 
+class OpQueue(list):  # type: ignore[type-arg]
+    """A list (the SGLang controller's write or load queue, swapped in by the adapter) whose
+    ``append(op)`` calls ``on_append(op)`` after appending, and whose ``clear()`` calls
+    ``on_cleared(ops)`` with the ops it took, where it took any. Every other list operation is
+    the list's own; a callback's error is raised after the list changed."""
+
+    def __init__(self, items: Any, on_append: Any, on_cleared: Any) -> None:
+        for cb in (on_append, on_cleared):
+            if not callable(cb):
+                raise TypeError(f"OpQueue(): the callbacks are callables, got {cb!r}")
+        self._on_append = on_append
+        self._on_cleared = on_cleared
+        super().__init__(items)
+
+    # list's own methods called by name: one lookup, where super() makes an object per call
+    def append(self, op: Any) -> None:
+        list.append(self, op)
+        self._on_append(op)
+
+    def clear(self) -> None:
+        taken = list(self)
+        list.clear(self)
+        if taken:
+            self._on_cleared(taken)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"cannot pickle {type(self).__name__}: it observes a live controller's queue")
+
+
+class AckQueue(list):  # type: ignore[type-arg]
+    """A list (an ack queue) whose ``append(ack)`` calls ``on_append(ack)``; ``pop()``,
+    ``remove()`` and ``del`` take acks out, each then ``on_taken(ack)`` in queue order;
+    ``clear()`` calls ``on_cleared(ack)`` for each ack it took, in queue order."""
+
+    def __init__(self, items: Any, on_append: Any, on_taken: Any, on_cleared: Any) -> None:
+        for cb in (on_append, on_taken, on_cleared):
+            if not callable(cb):
+                raise TypeError(f"AckQueue(): the callbacks are callables, got {cb!r}")
+        self._on_append = on_append
+        self._on_taken = on_taken
+        self._on_cleared = on_cleared
+        super().__init__(items)
+
+    def append(self, ack: Any) -> None:
+        list.append(self, ack)
+        self._on_append(ack)
+
+    def pop(self, *index: Any) -> Any:
+        if len(index) > 1:
+            raise TypeError(f"pop expected at most 1 argument, got {len(index)}")
+        ack = list.pop(self, *index)
+        self._on_taken(ack)
+        return ack
+
+    def __delitem__(self, key: Any) -> None:
+        taken = self[key] if isinstance(key, slice) else [self[key]]
+        list.__delitem__(self, key)
+        for ack in taken:
+            self._on_taken(ack)
+
+    def remove(self, ack: Any) -> None:
+        list.remove(self, ack)
+        self._on_taken(ack)
+
+    def clear(self) -> None:
+        taken = list(self)
+        list.clear(self)
+        for ack in taken:
+            self._on_cleared(ack)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(f"cannot pickle {type(self).__name__}: it observes a live controller's queue")
+
+
+class Stamp:
+    """``Stamp(times, clock)``: called with ``x``, notes ``times[id(x)] = clock()``."""
+
+    __slots__ = ("clock", "times")
+
+    def __init__(self, times: Any, clock: Any) -> None:
+        if not (isinstance(times, dict) and callable(clock)):
+            raise TypeError(f"Stamp(): times is a dict and clock a callable, got {times!r} and {clock!r}")
+        self.times, self.clock = times, clock
+
+    def __call__(self, x: Any, /) -> None:
+        self.times[id(x)] = self.clock()
+
+
+class AckNote:
+    """``AckNote(current, direction, failed)``: the ack queue's ``on_append``: an ack appended
+    inside a submission of this direction (``current.sub.direction``) joins
+    ``current.sub.acks``. A failure is ``failed("note an ack of a submission")``, never raised
+    into the append."""
+
+    __slots__ = ("current", "direction", "failed")
+
+    def __init__(self, current: Any, direction: Any, failed: Any) -> None:
+        if not callable(failed):
+            raise TypeError(f"AckNote(): failed is a callable, got {failed!r}")
+        self.current, self.direction, self.failed = current, direction, failed
+
+    def __call__(self, ack: Any, /) -> None:
+        try:
+            sub = self.current.sub
+            if sub is not None and sub.direction == self.direction:
+                sub.acks.append(ack)
+        except Exception:
+            _count_failure(self.failed, "note an ack of a submission")
+
+
 def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:
     """The SGLang adapter's conversion watch's entry: for each ``(role, tensor)`` of
     ``watched.values()`` that has a ``__dict__``, and each name of ``methods`` not in it

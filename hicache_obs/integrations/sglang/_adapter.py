@@ -46,7 +46,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -55,6 +55,10 @@ import numpy as np
 import torch
 
 from ..._native import (
+    AckNote,
+    AckQueue,
+    OpQueue,
+    Stamp,
     Submission,
     copy_hook,
     device_changes,
@@ -134,72 +138,6 @@ class _Resetting(threading.local):
 
     depth: int = 0
     dropped: list[tuple[str, list[Any]]]  # set by the outermost reset()
-
-
-# ------------------------------------------------------------------- the queues
-class _OpQueue(list):  # type: ignore[type-arg]
-    """A controller's write or load queue: appends are ``OperationQueued`` (``on_append(op)``);
-    the ops ``clear()`` takes go to ``on_cleared(ops)``."""
-
-    def __init__(
-        self, items: Iterable[Any], on_append: Callable[[Any], None], on_cleared: Callable[[list[Any]], None]
-    ) -> None:
-        super().__init__(items)
-        self._on_append = on_append
-        self._on_cleared = on_cleared
-
-    # list's own methods called by name: one lookup, where super() makes an object per call
-    def append(self, op: Any) -> None:
-        list.append(self, op)
-        self._on_append(op)
-
-    def clear(self) -> None:
-        taken = list(self)
-        list.clear(self)
-        if taken:
-            self._on_cleared(taken)
-
-
-class _AckQueue(list):  # type: ignore[type-arg]
-    """A controller's ack queue: an ack taken out is its op's completion (``on_taken(ack)``);
-    the acks ``clear()`` takes go to ``on_cleared(ack)``, in queue order."""
-
-    def __init__(
-        self,
-        items: Iterable[Any],
-        on_append: Callable[[Any], None],
-        on_taken: Callable[[Any], None],
-        on_cleared: Callable[[Any], None],
-    ) -> None:
-        super().__init__(items)
-        self._on_append = on_append
-        self._on_taken = on_taken
-        self._on_cleared = on_cleared
-
-    def append(self, ack: Any) -> None:
-        list.append(self, ack)
-        self._on_append(ack)
-
-    def pop(self, index: Any = -1) -> Any:
-        ack = list.pop(self, index)
-        self._on_taken(ack)
-        return ack
-
-    def __delitem__(self, key: Any) -> None:
-        taken = self[key] if isinstance(key, slice) else [self[key]]
-        list.__delitem__(self, key)
-        for ack in taken:
-            self._on_taken(ack)
-
-    def remove(self, ack: Any) -> None:
-        list.remove(self, ack)
-        self._on_taken(ack)
-
-    def clear(self) -> None:
-        taken = list(self)
-        list.clear(self)
-        for ack in taken:
-            self._on_cleared(ack)
 
 
 # ----------------------------------------------------- conversions inside a copy
@@ -1020,13 +958,13 @@ class Instrumentation:
         # each hook guards itself (an error is counted, never raised into SGLang): a queue's
         # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
-            on_append = partial(self._queued, direction) if self._full else self._queued_at_append
-            queue = _OpQueue(getattr(c, attr), on_append, partial(self._queue_cleared, direction))
+            on_append = partial(self._queued, direction) if self._full else Stamp(self._queued_at, time.time_ns)
+            queue = OpQueue(getattr(c, attr), on_append, partial(self._queue_cleared, direction))
             self._swap_list(c, attr, queue)
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
-            acks = _AckQueue(
+            acks = AckQueue(
                 getattr(c, attr),
-                on_append=partial(self._ack_appended, direction),
+                on_append=AckNote(current, direction, self._failed),
                 on_taken=partial(self._ack_taken, direction),
                 on_cleared=partial(self._ack_cleared, direction),
             )
@@ -1507,10 +1445,6 @@ class Instrumentation:
         """``((pool, slots), ...)`` an op moves (:func:`~hicache_obs._native.slots_by_pool`)."""
         return slots_by_pool(op, ANCHOR, _POOL_NAMES, _pool_name)  # type: ignore[no-any-return]
 
-    def _queued_at_append(self, op: Any) -> None:
-        """A queue's append under ``metrics`` and ``sampling``: when, for the submission's event."""
-        self._queued_at[id(op)] = time.time_ns()
-
     def _queued(self, direction: str, op: Any) -> None:
         """A write or load queue's append (its hook: guards itself)."""
         try:
@@ -1802,15 +1736,7 @@ class Instrumentation:
         for ack in sub.acks:
             waiting[id(ack)] = pending
 
-    # the ack queues' hooks (each guards itself)
-    def _ack_appended(self, direction: str, ack: Any) -> None:
-        try:
-            sub = current.sub
-            if sub is not None and sub.direction == direction:
-                sub.acks.append(ack)
-        except Exception:
-            self._failed("note an ack of a submission")
-
+    # the ack queues' hooks (each guards itself; an append: AckNote)
     def _ack_taken(self, direction: str, ack: Any) -> None:
         p = self._pending.pop(id(ack), None)
         if p is None:

@@ -1,0 +1,162 @@
+"""``OpQueue`` / ``AckQueue`` / ``Stamp`` / ``AckNote``: the SGLang adapter's queues.
+
+The controller's write, load and ack queues are swapped for these lists: the compiled types
+(``hicache_obs/_slots.c``) and their pure twins (``hicache_obs/events/_slots_py.py``) must
+hold what a plain list holds after any sequence of list operations, and report the same
+items to their callbacks in the same order.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache_obs import _slots as c_slots
+from hicache_obs.events import _slots_py as py_slots
+
+IMPLS = [pytest.param(c_slots, id="c"), pytest.param(py_slots, id="py")]
+
+_STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 99)),
+        st.tuples(st.just("pop"), st.sampled_from([None, 0, -1, 1, 5])),
+        st.tuples(st.just("remove"), st.integers(0, 99)),
+        st.tuples(st.just("del"), st.sampled_from([0, -1, slice(0, 2), slice(None), slice(1, None, 2)])),
+        st.tuples(st.just("clear"), st.none()),
+        st.tuples(st.just("extend"), st.lists(st.integers(0, 99), max_size=3)),
+        st.tuples(st.just("insert"), st.integers(0, 99)),
+        st.tuples(st.just("set"), st.integers(0, 99)),
+    ),
+    max_size=30,
+)
+
+
+def _apply(q: list[Any], step: tuple[str, Any]) -> Any:
+    """One list operation; its result, or the type of what it raised."""
+    name, arg = step
+    try:
+        if name == "append":
+            return q.append(arg)
+        if name == "pop":
+            return q.pop() if arg is None else q.pop(arg)
+        if name == "remove":
+            return q.remove(arg)
+        if name == "del":
+            del q[arg]
+            return None
+        if name == "clear":
+            return q.clear()
+        if name == "extend":
+            return q.extend(arg)
+        if name == "insert":
+            return q.insert(0, arg)
+        q[0] = arg
+        return None
+    except (IndexError, ValueError) as exc:
+        return type(exc)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=300, deadline=None)
+@given(start=st.lists(st.integers(0, 99), max_size=5), steps=_STEPS)
+def test_an_ack_queue_is_a_list_that_reports_what_it_took(impl: Any, start: list[int], steps: Any) -> None:
+    log: list[tuple[str, Any]] = []
+    q = impl.AckQueue(start, lambda a: log.append(("appended", a)), lambda a: log.append(("taken", a)),
+                      lambda a: log.append(("cleared", a)))  # fmt: skip
+    plain = list(start)
+    want: list[tuple[str, Any]] = []
+    for step in steps:
+        before = list(plain)
+        got_plain = _apply(plain, step)
+        assert _apply(q, step) == got_plain
+        name = step[0]
+        if name == "append":
+            want.append(("appended", step[1]))
+        elif name in ("pop", "remove", "del") and got_plain not in (IndexError, ValueError):
+            arg = step[1]
+            if name == "pop":
+                gone = [got_plain]
+            elif name == "remove":
+                gone = [arg]
+            else:
+                gone = before[arg] if isinstance(arg, slice) else [before[arg]]
+            want += [("taken", a) for a in gone]
+        elif name == "clear":
+            want += [("cleared", a) for a in before]
+    assert list(q) == plain and isinstance(q, list)
+    assert log == want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=200, deadline=None)
+@given(start=st.lists(st.integers(0, 99), max_size=5), steps=_STEPS)
+def test_an_op_queue_reports_appends_and_what_a_clear_took(impl: Any, start: list[int], steps: Any) -> None:
+    log: list[tuple[str, Any]] = []
+    q = impl.OpQueue(start, lambda op: log.append(("queued", op)), lambda ops: log.append(("cleared", ops)))
+    plain = list(start)
+    want: list[tuple[str, Any]] = []
+    for step in steps:
+        before = list(plain)
+        assert _apply(q, step) == _apply(plain, step)
+        if step[0] == "append":
+            want.append(("queued", step[1]))
+        elif step[0] == "clear" and before:
+            want.append(("cleared", before))
+    assert list(q) == plain and log == want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_callbacks_error_is_raised_after_the_list_changed(impl: Any) -> None:
+    def refuse(*args: Any) -> None:
+        raise RuntimeError("the callback failed")
+
+    q = impl.AckQueue([1, 2], refuse, refuse, refuse)
+    for call, left in ((lambda: q.append(3), [1, 2, 3]), (q.pop, [1, 2]), (lambda: q.remove(1), [2]), (q.clear, [])):
+        with pytest.raises(RuntimeError, match="the callback failed"):
+            call()
+        assert list(q) == left
+    ops = impl.OpQueue([1], refuse, refuse)
+    with pytest.raises(RuntimeError, match="the callback failed"):
+        ops.clear()
+    assert list(ops) == []
+    with pytest.raises(TypeError, match="callbacks are callables"):
+        impl.OpQueue([], None, refuse)
+    with pytest.raises(TypeError, match="callbacks are callables"):
+        impl.AckQueue([], refuse, refuse, 3)
+    with pytest.raises(TypeError, match="cannot pickle"):
+        pickle.dumps(ops)
+    with pytest.raises(TypeError, match="cannot pickle"):
+        copy.deepcopy(q)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stamp_notes_when_and_ack_note_adds_acks_of_its_direction(impl: Any) -> None:
+    times: dict[int, int] = {}
+    ticks = iter(range(100, 200))
+    stamp = impl.Stamp(times, lambda: next(ticks))
+    a, b = object(), object()
+    stamp(a)
+    stamp(b)
+    assert times == {id(a): 100, id(b): 101}
+    with pytest.raises(TypeError, match="times is a dict"):
+        impl.Stamp([], lambda: 0)
+    failed: list[str] = []
+    current = SimpleNamespace(sub=None)
+    note = impl.AckNote(current, "d2h", failed.append)
+    note("ack0")  # outside a submission
+    current.sub = SimpleNamespace(direction="d2h", acks=[])
+    note("ack1")
+    current.sub, write = SimpleNamespace(direction="h2d", acks=[]), current.sub
+    note("ack2")  # a load's submission: not this queue's
+    assert write.acks == ["ack1"] and current.sub.acks == [] and failed == []
+    current.sub = SimpleNamespace(direction="d2h")  # no acks to add to: counted, not raised
+    note("ack3")
+    assert failed == ["note an ack of a submission"]
+    with pytest.raises(TypeError, match="failed is a callable"):
+        impl.AckNote(current, "d2h", None)
