@@ -912,7 +912,7 @@ static PyObject *s_name, *s_host_indices, *s_device_indices, *s_host;
 static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_from_pool, *s_copied;
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
-static PyObject *s_refs, *s_merged_emitted, *s_take, *s_acks;
+static PyObject *s_refs, *s_merged_emitted, *s_take, *s_acks, *s_pools_at, *s_event_setup, *s_durable;
 static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
 static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
     *s_write_back_jit, *s_add;
@@ -934,6 +934,7 @@ static int adapter_strings(void) {
         {&s_sampled, "sampled"}, {&s_moves, "moves"}, {&s_write_back_jit, "can_use_write_back_jit"}, {&s_add, "add"},
         {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
         {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"}, {&s_take, "take"}, {&s_acks, "acks"},
+        {&s_pools_at, "pools_at"}, {&s_event_setup, "event_setup"}, {&s_durable, "durable"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -3511,6 +3512,217 @@ static PyTypeObject AckNoteType = {
     .tp_clear = (inquiry)ack_note_clear,
 };
 
+/* FinishHook(fallback, setup): the end of a submission under the SGLang adapter's metrics
+ * and sampling profiles, called (sub, result, error) once the controller's start returned or
+ * raised. A submission that raised, has no op, or is sampled is fallback's. Else, with torch
+ * function dispatch off: the TensorRef of each tensor its copies received (use_refs, cached
+ * in sub.refs), the time, the pools' occupancy where usage is not empty and every_ns passed
+ * since state.pools_at (then set to now), its one event (submission_event, with
+ * state.event_setup) and its acks awaiting completion (pending[id(ack)] = (op, direction)).
+ * A failed event is counted ("record an OpsSubmitted event") and the acks still await; a step
+ * before it that fails is counted ("describe a submission") and the acks do not. Then sync()
+ * where state.durable is set.
+ * setup: (state, failed, no_torch_function, ref_type, names, tensor_meta, clock, usage,
+ *         pool_usage, every_ns, pending, sync, emit, cls) */
+enum { FN_STATE, FN_FAILED, FN_NTF, FN_REF_TYPE, FN_NAMES, FN_TENSOR_META, FN_CLOCK, FN_USAGE, FN_POOL_USAGE,
+       FN_EVERY, FN_PENDING, FN_SYNC, FN_EMIT, FN_CLS, FN_N };
+
+static PyObject *use_refs(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+static PyObject *submission_event(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t nargs);
+
+/* The pools' occupancy due now, or (); new reference */
+static PyObject *pools_due(PyObject *const *setup, PyObject *now) {
+    int any = PyObject_IsTrue(setup[FN_USAGE]);
+    if (any <= 0)
+        return any < 0 ? NULL : PyTuple_New(0);
+    PyObject *at = PyObject_GetAttr(setup[FN_STATE], s_pools_at);
+    PyObject *since = at ? PyNumber_Subtract(now, at) : NULL;
+    int due = since ? PyObject_RichCompareBool(since, setup[FN_EVERY], Py_GE) : -1;
+    Py_XDECREF(at);
+    Py_XDECREF(since);
+    if (due <= 0)
+        return due < 0 ? NULL : PyTuple_New(0);
+    if (PyObject_SetAttr(setup[FN_STATE], s_pools_at, now) < 0)
+        return NULL;
+    return PyObject_CallNoArgs(setup[FN_POOL_USAGE]);
+}
+
+/* The submission's description and event (see FinishHook). 0: described (event counted where
+ * it failed); -1 with an error: a step before the event failed. */
+static int finish_described(PyObject *const *setup, PyObject *sub, PyObject *op, PyObject *result) {
+    PyObject *raw = PyObject_GetAttr(op, s_id), *op_id = raw ? PyNumber_Long(raw) : NULL;
+    Py_XDECREF(raw);
+    PyObject *uses = op_id ? PyObject_GetAttr(sub, s_uses) : NULL;
+    PyObject *cache = uses ? PyObject_GetAttr(sub, s_refs) : NULL;
+    PyObject *rargs[5] = {uses, cache, setup[FN_REF_TYPE], setup[FN_NAMES], setup[FN_TENSOR_META]};
+    PyObject *refs = cache ? use_refs(NULL, rargs, 5) : NULL;
+    Py_XDECREF(uses);
+    Py_XDECREF(cache);
+    PyObject *now = refs ? PyObject_CallNoArgs(setup[FN_CLOCK]) : NULL;
+    PyObject *pools = now ? pools_due(setup, now) : NULL;
+    PyObject *ev_setup = pools ? PyObject_GetAttr(setup[FN_STATE], s_event_setup) : NULL;
+    PyObject *direction = ev_setup ? PyObject_GetAttr(sub, s_direction) : NULL;
+    PyObject *acks = direction ? PyObject_GetAttr(sub, s_acks) : NULL;
+    PyObject *awaits = acks ? PyTuple_Pack(2, op_id, direction) : NULL;
+    int r = -1;
+    if (awaits) {
+        PyObject *eargs[9] = {setup[FN_EMIT], setup[FN_CLS], sub, op_id, refs, result, now, pools, ev_setup};
+        PyObject *ev = submission_event(NULL, eargs, 9);
+        if (ev || count_failure(setup[FN_FAILED], "record an OpsSubmitted event") == 0) {
+            r = 0;
+            PyObject *it = PyObject_GetIter(acks), *ack;
+            while (it && (ack = PyIter_Next(it))) {
+                PyObject *key = PyLong_FromVoidPtr(ack);
+                int set = key ? PyObject_SetItem(setup[FN_PENDING], key, awaits) : -1;
+                Py_XDECREF(key);
+                Py_DECREF(ack);
+                if (set < 0)
+                    break;
+            }
+            Py_XDECREF(it);
+            if (PyErr_Occurred())
+                r = -1;
+        }
+        Py_XDECREF(ev);
+    }
+    Py_XDECREF(op_id);
+    Py_XDECREF(refs);
+    Py_XDECREF(now);
+    Py_XDECREF(pools);
+    Py_XDECREF(ev_setup);
+    Py_XDECREF(direction);
+    Py_XDECREF(acks);
+    Py_XDECREF(awaits);
+    return r;
+}
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback, *setup;
+} FinishHook;
+
+static PyObject *finish_hook_call(FinishHook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "FinishHook() takes (sub, result, error)");
+        return NULL;
+    }
+    PyObject *sub = args[0], *result = args[1], *error = args[2];
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    if (error != Py_None)
+        return PyObject_Vectorcall(self->fallback, args, 3, NULL);
+    PyObject *op = PyObject_GetAttr(sub, s_op);
+    if (!op)
+        return NULL;
+    PyObject *sampled = op == Py_None ? NULL : PyObject_GetAttr(sub, s_sampled);
+    int values = sampled ? PyObject_IsTrue(sampled) : -1;
+    Py_XDECREF(sampled);
+    if (op == Py_None || values != 0) {
+        Py_DECREF(op);
+        if (values < 0 && PyErr_Occurred())
+            return NULL;
+        return PyObject_Vectorcall(self->fallback, args, 3, NULL);
+    }
+    PyObject *ctx = PyObject_CallNoArgs(setup[FN_NTF]);
+    PyObject *entered = ctx ? PyObject_VectorcallMethod(s_enter, &ctx, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL) : NULL;
+    PyObject *out = NULL;
+    if (entered) {
+        Py_DECREF(entered);
+        out = finish_described(setup, sub, op, result) == 0 ? Py_NewRef(Py_None) : NULL;
+        out = lock_exit(ctx, out);
+    }
+    Py_XDECREF(ctx);
+    Py_DECREF(op);
+    if (!out) {
+        if (count_failure(setup[FN_FAILED], "describe a submission") < 0)
+            return NULL;
+        out = Py_NewRef(Py_None);
+    }
+    PyObject *durable = PyObject_GetAttr(setup[FN_STATE], s_durable);
+    if (!durable) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    int none = durable == Py_None;
+    Py_DECREF(durable);
+    if (!none) {
+        PyObject *r = PyObject_CallNoArgs(setup[FN_SYNC]);
+        if (!r) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    return out;
+}
+
+static PyObject *finish_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *fallback, *setup;
+    static char *kw[] = {"fallback", "setup", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:FinishHook", kw, &fallback, &setup))
+        return NULL;
+    if (!PyCallable_Check(fallback) || !PyTuple_CheckExact(setup) || PyTuple_GET_SIZE(setup) != FN_N) {
+        PyErr_Format(PyExc_TypeError,
+                     "FinishHook(): fallback is a callable and setup a tuple of %d (state, failed, no_torch_function, "
+                     "ref_type, names, tensor_meta, clock, usage, pool_usage, every_ns, pending, sync, emit, cls), "
+                     "got %R and %R",
+                     FN_N, fallback, setup);
+        return NULL;
+    }
+    int callables[] = {FN_FAILED, FN_NTF, FN_REF_TYPE, FN_TENSOR_META, FN_CLOCK, FN_POOL_USAGE, FN_SYNC, FN_EMIT};
+    for (size_t i = 0; i < sizeof callables / sizeof callables[0]; i++)
+        if (!PyCallable_Check(PyTuple_GET_ITEM(setup, callables[i]))) {
+            PyErr_Format(PyExc_TypeError, "FinishHook(): setup's item %d is a callable, got %R", callables[i],
+                         PyTuple_GET_ITEM(setup, callables[i]));
+            return NULL;
+        }
+    if (names_ok("FinishHook", PyTuple_GET_ITEM(setup, FN_NAMES)) < 0)
+        return NULL;
+    if (!PyDict_Check(PyTuple_GET_ITEM(setup, FN_PENDING))) {
+        PyErr_Format(PyExc_TypeError, "FinishHook(): setup's pending is a dict, got %R", PyTuple_GET_ITEM(setup, FN_PENDING));
+        return NULL;
+    }
+    FinishHook *self = (FinishHook *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->setup = Py_NewRef(setup);
+    self->vectorcall = (vectorcallfunc)finish_hook_call;
+    return (PyObject *)self;
+}
+
+static int finish_hook_traverse(FinishHook *self, visitproc visit, void *arg) {
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->setup);
+    return 0;
+}
+
+static int finish_hook_clear(FinishHook *self) {
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->setup);
+    return 0;
+}
+
+static void finish_hook_dealloc(FinishHook *self) {
+    PyObject_GC_UnTrack(self);
+    finish_hook_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject FinishHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.FinishHook",
+    .tp_doc = "FinishHook(fallback, setup): the end of a submission under the SGLang adapter's metrics and sampling "
+              "profiles, called (sub, result, error) (see the module source).",
+    .tp_basicsize = sizeof(FinishHook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(FinishHook, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = finish_hook_new,
+    .tp_dealloc = (destructor)finish_hook_dealloc,
+    .tp_traverse = (traverseproc)finish_hook_traverse,
+    .tp_clear = (inquiry)finish_hook_clear,
+};
+
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
 static PyObject *take_error(void) {
     PyObject *t, *v, *tb;
@@ -3978,6 +4190,7 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&AckQueueType, "AckQueue"},
         {&StampType, "Stamp"},
         {&AckNoteType, "AckNote"},
+        {&FinishHookType, "FinishHook"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];

@@ -853,7 +853,9 @@ def submission_event(
         raise TypeError(f"submission_event(): setup is a tuple of 14, got {setup!r}")
     (streams, stream_names, io_backend, layout, device, sidecar_pools, audit_sample, slot_bytes, queued_at, anchor,
      pool_names, pool_name, moved_type, h2d) = setup  # fmt: skip
-    if not (all(isinstance(d, dict) for d in (streams, stream_names, slot_bytes, queued_at)) and isinstance(refs, list)):
+    if not (
+        all(isinstance(d, dict) for d in (streams, stream_names, slot_bytes, queued_at)) and isinstance(refs, list)
+    ):
         raise TypeError(
             "submission_event(): setup's streams, stream_names, slot_bytes and queued_at are dicts, refs a list"
         )
@@ -1008,7 +1010,9 @@ def _check_setup(setup: Any) -> None:
         )
     for v in (setup[0], setup[1], setup[3], setup[5]):
         if not callable(v):
-            raise TypeError(f"CopyHook(): setup's watch, failed, no_torch_function and received are callables, got {v!r}")
+            raise TypeError(
+                f"CopyHook(): setup's watch, failed, no_torch_function and received are callables, got {v!r}"
+            )
     if not isinstance(setup[4], tuple):
         raise TypeError(f"CopyHook(): setup's methods is a tuple of names, got {setup[4]!r}")
 
@@ -1416,6 +1420,70 @@ class AckNote:
                 sub.acks.append(ack)
         except Exception:
             _count_failure(self.failed, "note an ack of a submission")
+
+
+class FinishHook:
+    """``FinishHook(fallback, setup)``: the end of a submission under the SGLang adapter's
+    ``metrics`` and ``sampling`` profiles, called ``(sub, result, error)`` once the controller's
+    start returned or raised. A submission that raised, has no op, or is sampled is
+    ``fallback``'s. Else, with torch function dispatch off: the ``TensorRef`` of each tensor its
+    copies received (:func:`use_refs`, cached in ``sub.refs``), the time, the pools' occupancy
+    where ``usage`` is not empty and ``every_ns`` passed since ``state.pools_at`` (then set
+    to now), its one event (:func:`submission_event`, with ``state.event_setup``) and its acks
+    awaiting completion (``pending[id(ack)] = (op, direction)``). A failed event is counted
+    ("record an OpsSubmitted event") and the acks still await; a step before it that fails is
+    counted ("describe a submission") and the acks do not. Then ``sync()`` where
+    ``state.durable`` is set. ``setup``: ``(state, failed, no_torch_function, ref_type, names,
+    tensor_meta, clock, usage, pool_usage, every_ns, pending, sync, emit, cls)``."""
+
+    __slots__ = ("fallback", "setup")
+
+    def __init__(self, fallback: Any, setup: Any) -> None:
+        if not (callable(fallback) and type(setup) is tuple and len(setup) == 14):
+            raise TypeError(
+                "FinishHook(): fallback is a callable and setup a tuple of 14 (state, failed, no_torch_function, "
+                "ref_type, names, tensor_meta, clock, usage, pool_usage, every_ns, pending, sync, emit, cls), "
+                f"got {fallback!r} and {setup!r}"
+            )
+        for i in (1, 2, 3, 5, 6, 8, 11, 12):
+            if not callable(setup[i]):
+                raise TypeError(f"FinishHook(): setup's item {i} is a callable, got {setup[i]!r}")
+        _names_ok("FinishHook", setup[4])
+        if not isinstance(setup[10], dict):
+            raise TypeError(f"FinishHook(): setup's pending is a dict, got {setup[10]!r}")
+        self.fallback, self.setup = fallback, setup
+
+    def __call__(self, sub: Any, result: Any, error: Any, /) -> Any:
+        (state, failed, no_torch_function, ref_type, names, tensor_meta, clock, usage, pool_usage, every, pending,
+         sync, emit, cls) = self.setup  # fmt: skip
+        if error is not None:
+            return self.fallback(sub, result, error)
+        op = sub.op
+        if op is None or sub.sampled:
+            return self.fallback(sub, result, error)
+        try:
+            with no_torch_function():
+                op_id = int(op.id)
+                refs = use_refs(sub.uses, sub.refs, ref_type, names, tensor_meta)
+                now = clock()
+                pools: Any = ()
+                if usage and now - state.pools_at >= every:
+                    state.pools_at = now
+                    pools = pool_usage()
+                ev_setup = state.event_setup
+                awaits = (op_id, sub.direction)
+                acks = sub.acks
+                try:
+                    submission_event(emit, cls, sub, op_id, refs, result, now, pools, ev_setup)
+                except Exception:
+                    _count_failure(failed, "record an OpsSubmitted event")
+                for ack in acks:
+                    pending[id(ack)] = awaits
+        except Exception:
+            _count_failure(failed, "describe a submission")
+        if state.durable is not None:
+            sync()
+        return None
 
 
 def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:

@@ -57,6 +57,7 @@ import torch
 from ..._native import (
     AckNote,
     AckQueue,
+    FinishHook,
     OpQueue,
     Stamp,
     Submission,
@@ -223,6 +224,21 @@ class _Submission(Submission):
                 tensor_ref(t, pool, role) if self.sampled else meta_ref(t, pool, role, TensorRef, _NAMES, tensor_meta)
             )
         return got
+
+
+class _EndState:
+    """What a submission's end reads and updates besides the submission (``metrics``,
+    ``sampling``; :class:`~hicache_obs._native.FinishHook`): when a submission last carried the
+    pools' occupancy, what :func:`~hicache_obs._native.submission_event` reads (made again
+    when a sidecar pool joins), and the findings' sync :meth:`Instrumentation.make_findings_durable`
+    asked for."""
+
+    __slots__ = ("durable", "event_setup", "pools_at")
+
+    def __init__(self, event_setup: tuple[Any, ...]) -> None:
+        self.pools_at = -POOLS_EVERY_NS
+        self.event_setup = event_setup
+        self.durable: tuple[Callable[[], int], Callable[[], None]] | None = None
 
 
 @dataclass(slots=True)
@@ -734,7 +750,6 @@ class Instrumentation:
         self._usage: list[tuple[str, str, _FreeList, int]] = []
         self._blind: list[tuple[Any, list[Any]]] = []  # device pools whose frees meet the held tensors
         self._armed: list[Callable[[], None]] | None = None  # sampling: the free hooks in place, their undo
-        self._pools_at = -POOLS_EVERY_NS  # when the last submission carried the occupancy
         self._lock = threading.RLock()
         self._undo: list[Callable[[], None]] = []
         self._pending: dict[int, tuple[int, str]] = {}  # id(ack) -> (its op, the op's direction)
@@ -750,13 +765,12 @@ class Instrumentation:
         # read: no sync), weakly, with the memory they span: a free handed one of them is the
         # evidence of a use after free (IndicesFreed)
         self._held: dict[int, list[_Held]] = {}
-        self._durable: tuple[Callable[[], int], Callable[[], None]] | None = None  # make_findings_durable
         self._durable_seen = 0
         self._sidecars: dict[str, Any] = {}  # pool -> host pool: moves with the anchor's slots
         self._sidecar_pools: tuple[tuple[str, str], ...] = ()  # each op's sidecar_pools: (pool, ANCHOR), by name
         dev = str(getattr(controller, "device", "cpu"))
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
-        self._event_setup = self._make_event_setup()
+        self._end = _EndState(self._make_event_setup())
 
     def _make_event_setup(self) -> tuple[Any, ...]:
         """What :func:`~hicache_obs._native.submission_event` reads besides the submission
@@ -803,10 +817,10 @@ class Instrumentation:
         log to its files then, so a finding is on disk before SGLang's own assertion (which
         may follow at once) ends the process."""
         self._durable_seen = count()
-        self._durable = (count, flush)
+        self._end.durable = (count, flush)
 
     def _sync_findings(self) -> None:
-        durable = self._durable
+        durable = self._end.durable
         if durable is None:
             return
         try:
@@ -1049,7 +1063,7 @@ class Instrumentation:
             return
         self._sidecars[name] = pool
         self._sidecar_pools = tuple((n, ANCHOR) for n in sorted(self._sidecars))
-        self._event_setup = self._make_event_setup()
+        self._end.event_setup = self._make_event_setup()
         for meth in _copy_names(pool, self._shape.copy).values():
             self._wrap(pool, meth, self._copy_wrapper(name, pool))
 
@@ -1198,13 +1212,38 @@ class Instrumentation:
             self,
             direction,
             sampler,
-            self._finish,
+            self._finisher(),
         )
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             return start_hook(original, current, setup)
 
         return make
+
+    def _finisher(self) -> Callable[[Any, Any, BaseException | None], None]:
+        """What ends a submission: :meth:`_finish`, or under ``metrics`` and ``sampling`` its
+        compiled common path (:class:`~hicache_obs._native.FinishHook`: an unsampled submission
+        that moved its op and returned), :meth:`_finish` the rest. A subclass's own
+        :meth:`_finish` (the harness's floor) ends every submission itself."""
+        if self._full or type(self)._finish is not Instrumentation._finish:  # noqa: SLF001
+            return self._finish
+        setup = (
+            self._end,
+            self._failed,
+            NO_TORCH_FUNCTION,
+            TensorRef,
+            _NAMES,
+            tensor_meta,
+            time.time_ns,
+            self._usage,
+            self.pool_usage,
+            POOLS_EVERY_NS,
+            self._pending,
+            self._sync_findings,
+            self.log.emit,
+            OpsSubmitted,
+        )
+        return FinishHook(self._finish, setup)
 
     def _move_wrapper(self, takes_op: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The controller's op-level move: the op a submission merged, and the index tensors the
@@ -1371,7 +1410,7 @@ class Instrumentation:
                             self._refused(pool, tier, call, args, kwargs, error)
                     except Exception:
                         failed("record the slots an allocator call took or returned")
-                    if self._durable is not None:
+                    if self._end.durable is not None:
                         self._sync_findings()
 
             slots.__wrapped__ = original  # type: ignore[attr-defined]
@@ -1630,11 +1669,12 @@ class Instrumentation:
         # occupancy rides along at most every POOLS_EVERY_NS (the launcher's /metrics reads the
         # allocators at each scrape; detach() logs a last one)
         pools: tuple[tuple[str, str, int, int], ...] = ()
-        if self._usage and now - self._pools_at >= POOLS_EVERY_NS:
-            self._pools_at = now
+        end = self._end
+        if self._usage and now - end.pools_at >= POOLS_EVERY_NS:
+            end.pools_at = now
             pools = self.pool_usage()
         try:
-            submission_event(self.log.emit, OpsSubmitted, sub, op_id, refs, result, now, pools, self._event_setup)
+            submission_event(self.log.emit, OpsSubmitted, sub, op_id, refs, result, now, pools, end.event_setup)
         except Exception:
             self._failed("record an OpsSubmitted event")
         if error is None and values:
@@ -1759,7 +1799,7 @@ class Instrumentation:
             self.log.emit(TransferCompleted, op=op, direction=op_direction, duration_ns=max(0, duration))
         except Exception:
             self._failed("record a TransferCompleted event")
-        if self._durable is not None:
+        if self._end.durable is not None:
             self._sync_findings()
 
     def _ack_cleared(self, direction: str, ack: Any) -> None:
