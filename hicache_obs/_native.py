@@ -13,7 +13,7 @@ Three pieces are written in C, each an accelerator of a pure path that does the 
   :func:`device_of`, :func:`slots_by_pool`, :func:`submission_event`), its ``record_stream`` observer
   (:func:`record_observer`), its copy hook (:func:`copy_hook`), its move hook (:func:`move_hook`), its start of a
   submission (:func:`start_hook`, :class:`Submission`), its queues (:class:`OpQueue`,
-  :class:`AckQueue`, :class:`Stamp`, :class:`AckNote`), the end of a submission (:class:`FinishHook`), its conversion watch's
+  :class:`AckQueue`, :class:`Stamp`, :class:`AckNote`, :class:`AckTaken`, :class:`QueueCleared`), the end of a submission (:class:`FinishHook`), its conversion watch's
   observer (:func:`conversion_observer`, put on and taken off by :func:`place_observers`
   and :func:`remove_observers`), its guard of an allocator's calls (:func:`slot_guard`)
   and its read of the allocator's free lists (:func:`read_free_lists`); twin:
@@ -60,6 +60,8 @@ __all__ = [
     "Stamp",
     "AckNote",
     "FinishHook",
+    "AckTaken",
+    "QueueCleared",
     "conversion_observer",
     "copy",
     "copy_hook",
@@ -211,6 +213,8 @@ AckQueue = _slots.AckQueue
 Stamp = _slots.Stamp
 AckNote = _slots.AckNote
 FinishHook = _slots.FinishHook
+AckTaken = _slots.AckTaken
+QueueCleared = _slots.QueueCleared
 move_hook = _slots.move_hook
 slot_guard = _slots.slot_guard
 submission_event = _slots.submission_event

@@ -913,6 +913,7 @@ static PyObject *s_sub, *s_records, *s_append, *s_pool_transfers, *s_indices_fro
 static PyObject *s_known, *s_thread, *s_describe, *s_depth, *s_enter, *s_exit, *s_zero, *s_one;
 static PyObject *s_int64, *s_int32, *s_value_kwnames, *s_dunder_dict, *s_pop;
 static PyObject *s_refs, *s_merged_emitted, *s_take, *s_acks, *s_pools_at, *s_event_setup, *s_durable;
+static PyObject *s_timing_enabled, *s_completed_kwnames;
 static PyObject *s_id, *s_node_ids, *s_priority, *s_op, *s_queued_ops, *s_event_kwnames;
 static PyObject *s_uses, *s_direction, *s_host_indices_on_cpu, *s_side_moves, *s_sampled, *s_moves,
     *s_write_back_jit, *s_add;
@@ -935,6 +936,7 @@ static int adapter_strings(void) {
         {&s_id, "id"}, {&s_node_ids, "node_ids"}, {&s_priority, "priority"}, {&s_op, "op"}, {&s_queued_ops, "queued_ops"},
         {&s_refs, "refs"}, {&s_merged_emitted, "merged_emitted"}, {&s_take, "take"}, {&s_acks, "acks"},
         {&s_pools_at, "pools_at"}, {&s_event_setup, "event_setup"}, {&s_durable, "durable"},
+        {&s_timing_enabled, "timing_enabled"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!(*names[i].slot = PyUnicode_InternFromString(names[i].text)))
@@ -946,9 +948,10 @@ static int adapter_strings(void) {
                                     "tensors", "slots_by_pool", "bytes_by_pool", "producer_id", "device",
                                     "host_indices_on_cpu", "sidecar_pools", "queued", "node_ids", "moves", "records",
                                     "sampled", "pools", "audit_sample");
+    s_completed_kwnames = Py_BuildValue("(sss)", "op", "direction", "duration_ns");
     s_zero = PyLong_FromLong(0);
     s_one = PyLong_FromLong(1);
-    return s_kwnames && s_value_kwnames && s_event_kwnames && s_zero && s_one ? 0 : -1;
+    return s_kwnames && s_value_kwnames && s_event_kwnames && s_completed_kwnames && s_zero && s_one ? 0 : -1;
 }
 
 /* 0 where a function that takes n arguments got nargs of them; else -1 with a TypeError */
@@ -3723,6 +3726,215 @@ static PyTypeObject FinishHookType = {
     .tp_clear = (inquiry)finish_hook_clear,
 };
 
+/* AckTaken(fallback, setup): an ack queue's on_taken under the SGLang adapter's metrics and
+ * sampling profiles, called with the ack taken out. An ack no op awaits (not in pending) is
+ * nothing; one whose op holds device tensors (held not empty) or that times its copy
+ * (ack.timing_enabled true) is fallback's. Else its op's completion: pending's entry (op,
+ * direction) taken, emit(cls, op=op, direction=direction, duration_ns=0) (a failure counted:
+ * "record a TransferCompleted event"), then sync() where state.durable is set.
+ * setup: (pending, held, state, emit, cls, failed, sync)
+ *
+ * QueueCleared(fallback, setup): a write or load queue's on_cleared under the same profiles,
+ * called with the ops a clear() took. The usual clear (outside a reset, by the submission of
+ * this direction that merged exactly these ops, current.sub.queued_ops, or with no queue time
+ * noted at all) is nothing; any other is fallback's.
+ * setup: (direction, resetting, queued_at, current) */
+enum { AT_PENDING, AT_HELD, AT_STATE, AT_EMIT, AT_CLS, AT_FAILED, AT_SYNC, AT_N };
+enum { QC_DIRECTION, QC_RESETTING, QC_QUEUED_AT, QC_CURRENT, QC_N };
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fallback, *setup;
+} Callback;
+
+static PyObject *ack_taken_call(Callback *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "AckTaken() takes the ack taken out");
+        return NULL;
+    }
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    PyObject *ack = args[0], *key = PyLong_FromVoidPtr(ack);
+    if (!key)
+        return NULL;
+    PyObject *awaits = PyDict_GetItemWithError(setup[AT_PENDING], key); /* borrowed */
+    if (!awaits) {
+        Py_DECREF(key);
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    int slow = PyObject_IsTrue(setup[AT_HELD]);
+    if (slow == 0) {
+        PyObject *timing = attr_or_none(ack, s_timing_enabled);
+        slow = timing ? PyObject_IsTrue(timing) : -1;
+        Py_XDECREF(timing);
+    }
+    if (slow != 0) {
+        Py_DECREF(key);
+        return slow < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 1, NULL);
+    }
+    Py_INCREF(awaits);
+    int gone = PyDict_DelItem(setup[AT_PENDING], key);
+    Py_DECREF(key);
+    if (gone < 0) {
+        Py_DECREF(awaits);
+        return NULL;
+    }
+    PyObject *ev = NULL;
+    if (PyTuple_Check(awaits) && PyTuple_GET_SIZE(awaits) == 2) {
+        PyObject *eargs[4] = {setup[AT_CLS], PyTuple_GET_ITEM(awaits, 0), PyTuple_GET_ITEM(awaits, 1), s_zero};
+        ev = PyObject_Vectorcall(setup[AT_EMIT], eargs, 1, s_completed_kwnames);
+    } else {
+        PyErr_Format(PyExc_TypeError, "pending holds (op, direction), got %R", awaits);
+    }
+    Py_DECREF(awaits);
+    if (ev)
+        Py_DECREF(ev);
+    else if (count_failure(setup[AT_FAILED], "record a TransferCompleted event") < 0)
+        return NULL;
+    PyObject *durable = PyObject_GetAttr(setup[AT_STATE], s_durable);
+    if (!durable)
+        return NULL;
+    int none = durable == Py_None;
+    Py_DECREF(durable);
+    if (!none) {
+        PyObject *r = PyObject_CallNoArgs(setup[AT_SYNC]);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
+    Py_RETURN_NONE;
+}
+
+/* 1 where two lists hold the same objects in the same order, 0 where not, -1 with an error */
+static int same_objects(PyObject *a, PyObject *b) {
+    if (!PyList_Check(a) || !PyList_Check(b)) {
+        PyErr_SetString(PyExc_TypeError, "the merged ops and the ops cleared are lists");
+        return -1;
+    }
+    if (PyList_GET_SIZE(a) != PyList_GET_SIZE(b))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(a); i++)
+        if (PyList_GET_ITEM(a, i) != PyList_GET_ITEM(b, i))
+            return 0;
+    return 1;
+}
+
+static PyObject *queue_cleared_call(Callback *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
+        PyErr_SetString(PyExc_TypeError, "QueueCleared() takes the ops a clear() took");
+        return NULL;
+    }
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    PyObject *depth = PyObject_GetAttr(setup[QC_RESETTING], s_depth);
+    int resetting = depth ? PyObject_IsTrue(depth) : -1;
+    Py_XDECREF(depth);
+    if (resetting != 0)
+        return resetting < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 1, NULL);
+    int noted = PyObject_IsTrue(setup[QC_QUEUED_AT]);
+    if (noted <= 0) {
+        if (noted < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *sub = PyObject_GetAttr(setup[QC_CURRENT], s_sub);
+    if (!sub)
+        return NULL;
+    int usual = 0;
+    if (sub != Py_None) {
+        PyObject *direction = PyObject_GetAttr(sub, s_direction);
+        int mine = direction ? PyObject_RichCompareBool(direction, setup[QC_DIRECTION], Py_EQ) : -1;
+        Py_XDECREF(direction);
+        PyObject *ops = mine > 0 ? PyObject_GetAttr(sub, s_queued_ops) : NULL;
+        usual = mine > 0 ? (ops ? same_objects(ops, args[0]) : -1) : mine;
+        Py_XDECREF(ops);
+    }
+    Py_DECREF(sub);
+    if (usual != 0)
+        return usual < 0 ? NULL : Py_NewRef(Py_None);
+    return PyObject_Vectorcall(self->fallback, args, 1, NULL);
+}
+
+static int callback_traverse(Callback *self, visitproc visit, void *arg) {
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->setup);
+    return 0;
+}
+
+static int callback_clear(Callback *self) {
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->setup);
+    return 0;
+}
+
+static void callback_dealloc(Callback *self) {
+    PyObject_GC_UnTrack(self);
+    callback_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *callback_new(PyTypeObject *type, PyObject *args, PyObject *kwargs, const char *name, Py_ssize_t n,
+                              vectorcallfunc call) {
+    PyObject *fallback, *setup;
+    static char *kw[] = {"fallback", "setup", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO", kw, &fallback, &setup))
+        return NULL;
+    if (!PyCallable_Check(fallback) || !PyTuple_CheckExact(setup) || PyTuple_GET_SIZE(setup) != n) {
+        PyErr_Format(PyExc_TypeError, "%s(): fallback is a callable and setup a tuple of %zd, got %R and %R", name, n,
+                     fallback, setup);
+        return NULL;
+    }
+    Callback *self = (Callback *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->fallback = Py_NewRef(fallback);
+    self->setup = Py_NewRef(setup);
+    self->vectorcall = call;
+    return (PyObject *)self;
+}
+
+static PyObject *ack_taken_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *self = callback_new(type, args, kwargs, "AckTaken", AT_N, (vectorcallfunc)ack_taken_call);
+    if (!self)
+        return NULL;
+    PyObject *setup = ((Callback *)self)->setup;
+    if (!PyDict_Check(PyTuple_GET_ITEM(setup, AT_PENDING)) || !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_EMIT)) ||
+        !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_FAILED)) || !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_SYNC))) {
+        PyErr_Format(PyExc_TypeError, "AckTaken(): setup is (pending dict, held, state, emit, cls, failed, sync), "
+                                      "emit, failed and sync callables, got %R",
+                     setup);
+        Py_DECREF(self);
+        return NULL;
+    }
+    return self;
+}
+
+static PyObject *queue_cleared_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    return callback_new(type, args, kwargs, "QueueCleared", QC_N, (vectorcallfunc)queue_cleared_call);
+}
+
+#define CALLBACK_TYPE(c_name, py_name, new_fn, doc)                                                              \
+    static PyTypeObject c_name = {                                                                               \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
+        .tp_doc = doc,                                                                                           \
+        .tp_basicsize = sizeof(Callback),                                                                        \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,                        \
+        .tp_vectorcall_offset = offsetof(Callback, vectorcall),                                                  \
+        .tp_call = PyVectorcall_Call,                                                                            \
+        .tp_new = new_fn,                                                                                        \
+        .tp_dealloc = (destructor)callback_dealloc,                                                              \
+        .tp_traverse = (traverseproc)callback_traverse,                                                          \
+        .tp_clear = (inquiry)callback_clear,                                                                     \
+    }
+
+CALLBACK_TYPE(AckTakenType, "AckTaken", ack_taken_new,
+              "AckTaken(fallback, setup): an ack queue's on_taken under the SGLang adapter's metrics and sampling "
+              "profiles (see the module source).");
+CALLBACK_TYPE(QueueClearedType, "QueueCleared", queue_cleared_new,
+              "QueueCleared(fallback, setup): a write or load queue's on_cleared under the SGLang adapter's metrics "
+              "and sampling profiles (see the module source).");
+
 /* The exception being raised, taken (normalized, its traceback on it); NULL where none is. */
 static PyObject *take_error(void) {
     PyObject *t, *v, *tb;
@@ -4191,6 +4403,8 @@ PyMODINIT_FUNC PyInit__slots(void) {
         {&StampType, "Stamp"},
         {&AckNoteType, "AckNote"},
         {&FinishHookType, "FinishHook"},
+        {&AckTakenType, "AckTaken"},
+        {&QueueClearedType, "QueueCleared"},
         {&ConversionObserverType, "ConversionObserver"},
     };
     size_t n = sizeof types / sizeof types[0];

@@ -1486,6 +1486,88 @@ class FinishHook:
         return None
 
 
+class _Callback:
+    __slots__ = ("fallback", "setup")
+    _NAME = ""
+    _N = 0
+
+    def __init__(self, fallback: Any, setup: Any) -> None:
+        if not (callable(fallback) and type(setup) is tuple and len(setup) == self._N):
+            raise TypeError(
+                f"{self._NAME}(): fallback is a callable and setup a tuple of {self._N}, got {fallback!r} and {setup!r}"
+            )
+        self.fallback, self.setup = fallback, setup
+
+
+class AckTaken(_Callback):
+    """``AckTaken(fallback, setup)``: an ack queue's ``on_taken`` under the SGLang adapter's
+    ``metrics`` and ``sampling`` profiles, called with the ack taken out. An ack no op awaits
+    (not in ``pending``) is nothing; one whose op holds device tensors (``held`` not empty) or
+    that times its copy (``ack.timing_enabled`` true) is ``fallback``'s. Else its op's
+    completion: ``pending``'s entry ``(op, direction)`` taken, ``emit(cls, op=op,
+    direction=direction, duration_ns=0)`` (a failure counted: "record a TransferCompleted
+    event"), then ``sync()`` where ``state.durable`` is set. ``setup``: ``(pending, held,
+    state, emit, cls, failed, sync)``."""
+
+    __slots__ = ()
+    _NAME = "AckTaken"
+    _N = 7
+
+    def __init__(self, fallback: Any, setup: Any) -> None:
+        super().__init__(fallback, setup)
+        if not (isinstance(setup[0], dict) and callable(setup[3]) and callable(setup[5]) and callable(setup[6])):
+            raise TypeError(
+                "AckTaken(): setup is (pending dict, held, state, emit, cls, failed, sync), emit, failed and sync "
+                f"callables, got {setup!r}"
+            )
+
+    def __call__(self, ack: Any, /) -> None:
+        pending, held, state, emit, cls, failed, sync = self.setup
+        key = id(ack)
+        awaits = pending.get(key)
+        if awaits is None:
+            return None
+        if held or getattr(ack, "timing_enabled", None):
+            return self.fallback(ack)  # type: ignore[no-any-return]
+        del pending[key]
+        try:
+            if not (isinstance(awaits, tuple) and len(awaits) == 2):
+                raise TypeError(f"pending holds (op, direction), got {awaits!r}")
+            emit(cls, op=awaits[0], direction=awaits[1], duration_ns=0)
+        except Exception:
+            _count_failure(failed, "record a TransferCompleted event")
+        if state.durable is not None:
+            sync()
+        return None
+
+
+class QueueCleared(_Callback):
+    """``QueueCleared(fallback, setup)``: a write or load queue's ``on_cleared`` under the SGLang
+    adapter's ``metrics`` and ``sampling`` profiles, called with the ops a ``clear()`` took. The
+    usual clear (outside a reset, by the submission of this direction that merged exactly
+    these ops, ``current.sub.queued_ops``, or with no queue time noted at all) is nothing; any
+    other is ``fallback``'s. ``setup``: ``(direction, resetting, queued_at, current)``."""
+
+    __slots__ = ()
+    _NAME = "QueueCleared"
+    _N = 4
+
+    def __call__(self, ops: Any, /) -> None:
+        direction, resetting, queued_at, current = self.setup
+        if resetting.depth:
+            return self.fallback(ops)  # type: ignore[no-any-return]
+        if not queued_at:
+            return None
+        sub = current.sub
+        if sub is not None and sub.direction == direction:
+            mine = sub.queued_ops
+            if not (isinstance(mine, list) and isinstance(ops, list)):
+                raise TypeError("the merged ops and the ops cleared are lists")
+            if len(mine) == len(ops) and all(map(operator.is_, mine, ops)):
+                return None
+        return self.fallback(ops)  # type: ignore[no-any-return]
+
+
 def place_observers(watched: Any, methods: Any, tensor_type: Any, watch: Any, placed: Any, /) -> None:
     """The SGLang adapter's conversion watch's entry: for each ``(role, tensor)`` of
     ``watched.values()`` that has a ``__dict__``, and each name of ``methods`` not in it

@@ -160,3 +160,78 @@ def test_stamp_notes_when_and_ack_note_adds_acks_of_its_direction(impl: Any) -> 
     assert failed == ["note an ack of a submission"]
     with pytest.raises(TypeError, match="failed is a callable"):
         impl.AckNote(current, "d2h", None)
+
+
+class _End:
+    durable: Any = None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ack_taken_completes_its_op_and_hands_the_rest_to_the_fallback(impl: Any) -> None:
+    events: list[tuple[Any, dict[str, Any]]] = []
+    fallen: list[Any] = []
+    failed: list[str] = []
+    synced: list[int] = []
+    pending: dict[int, Any] = {}
+    held: dict[int, Any] = {}
+    end = _End()
+
+    def emit(cls: Any, **fields: Any) -> None:
+        events.append((cls, fields))
+
+    taken = impl.AckTaken(fallen.append, (pending, held, end, emit, "Done", failed.append, lambda: synced.append(1)))
+    plain, timed, other = SimpleNamespace(), SimpleNamespace(timing_enabled=True), SimpleNamespace()
+    pending.update({id(plain): (7, "d2h"), id(timed): (8, "h2d")})
+    taken(other)  # no op awaits it
+    taken(plain)
+    assert events == [("Done", {"op": 7, "direction": "d2h", "duration_ns": 0})] and id(plain) not in pending
+    taken(timed)  # its copy's time is the fallback's to read
+    assert fallen == [timed] and id(timed) in pending and len(events) == 1
+    pending[id(plain)] = (9, "d2h")
+    held[9] = "device tensors"
+    taken(plain)  # an op holding tensors: the fallback's
+    assert fallen == [timed, plain] and id(plain) in pending
+    held.clear()
+    end.durable = ("count", "flush")
+    taken(plain)
+    assert events[-1][1]["op"] == 9 and synced == [1] and failed == []
+
+    def refuse(cls: Any, **fields: Any) -> None:
+        raise RuntimeError("the log is closed")
+
+    broken = impl.AckTaken(fallen.append, (pending, held, _End(), refuse, "Done", failed.append, print))
+    pending[id(plain)] = (10, "d2h")
+    broken(plain)
+    assert failed == ["record a TransferCompleted event"] and id(plain) not in pending
+    with pytest.raises(TypeError, match="fallback is a callable and setup a tuple of 7"):
+        impl.AckTaken(print, (pending,))
+    with pytest.raises(TypeError, match="pending dict"):
+        impl.AckTaken(print, ([], held, end, emit, "Done", print, print))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_queue_cleared_passes_over_the_usual_clear_only(impl: Any) -> None:
+    fallen: list[Any] = []
+    resetting = SimpleNamespace(depth=0)
+    queued_at: dict[int, int] = {}
+    current = SimpleNamespace(sub=None)
+    cleared = impl.QueueCleared(fallen.append, ("d2h", resetting, queued_at, current))
+    ops = [SimpleNamespace(id=1), SimpleNamespace(id=2)]
+    cleared(ops)  # no queue time noted: nothing to forget
+    assert fallen == []
+    queued_at[id(ops[0])] = 5
+    current.sub = SimpleNamespace(direction="d2h", queued_ops=list(ops))
+    cleared(list(ops))  # the submission that merged exactly these
+    assert fallen == []
+    for case in ([ops[0]], [ops[1], ops[0]]):  # another set, another order
+        cleared(case)
+    current.sub = SimpleNamespace(direction="h2d", queued_ops=list(ops))
+    cleared(list(ops))  # a load's submission clearing the write queue
+    current.sub = None
+    cleared(list(ops))
+    resetting.depth = 1
+    queued_at.clear()
+    cleared(list(ops))  # inside a reset: always the fallback's
+    assert [len(c) for c in fallen] == [1, 2, 2, 2, 2]
+    with pytest.raises(TypeError, match="setup a tuple of 4"):
+        impl.QueueCleared(print, ("d2h",))

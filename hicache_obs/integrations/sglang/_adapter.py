@@ -57,8 +57,10 @@ import torch
 from ..._native import (
     AckNote,
     AckQueue,
+    AckTaken,
     FinishHook,
     OpQueue,
+    QueueCleared,
     Stamp,
     Submission,
     copy_hook,
@@ -973,13 +975,13 @@ class Instrumentation:
         # append is one call into the adapter
         for attr, direction in (("write_queue", D2H), ("load_queue", H2D)):
             on_append = partial(self._queued, direction) if self._full else Stamp(self._queued_at, time.time_ns)
-            queue = OpQueue(getattr(c, attr), on_append, partial(self._queue_cleared, direction))
+            queue = OpQueue(getattr(c, attr), on_append, self._on_cleared(direction))
             self._swap_list(c, attr, queue)
         for attr, direction in (("ack_write_queue", D2H), ("ack_load_queue", H2D)):
             acks = AckQueue(
                 getattr(c, attr),
                 on_append=AckNote(current, direction, self._failed),
-                on_taken=partial(self._ack_taken, direction),
+                on_taken=self._on_taken(direction),
                 on_cleared=partial(self._ack_cleared, direction),
             )
             self._swap_list(c, attr, acks)
@@ -1219,6 +1221,24 @@ class Instrumentation:
             return start_hook(original, current, setup)
 
         return make
+
+    def _on_cleared(self, direction: str) -> Callable[[list[Any]], None]:
+        """A write or load queue's ``on_cleared``: :meth:`_queue_cleared`, or under ``metrics`` and
+        ``sampling`` its compiled usual case (:class:`~hicache_obs._native.QueueCleared`)."""
+        cleared = partial(self._queue_cleared, direction)
+        if self._full:
+            return cleared
+        return QueueCleared(cleared, (direction, self._resetting, self._queued_at, current))
+
+    def _on_taken(self, direction: str) -> Callable[[Any], None]:
+        """An ack queue's ``on_taken``: :meth:`_ack_taken`, or under ``metrics`` and ``sampling``
+        its compiled common case (:class:`~hicache_obs._native.AckTaken`: no op holding device
+        tensors, an ack that does not time its copy)."""
+        taken = partial(self._ack_taken, direction)
+        if self._full:
+            return taken
+        setup = (self._pending, self._held, self._end, self.log.emit, TransferCompleted, self._failed, self._sync_findings)
+        return AckTaken(taken, setup)
 
     def _finisher(self) -> Callable[[Any, Any, BaseException | None], None]:
         """What ends a submission: :meth:`_finish`, or under ``metrics`` and ``sampling`` its
