@@ -3308,7 +3308,7 @@ static int ack_queue_ass_subscript(Queue *self, PyObject *key, PyObject *value) 
 }
 
 static PyObject *queue_reduce(Queue *self, PyObject *Py_UNUSED(ignored)) {
-    PyErr_Format(PyExc_TypeError, "cannot pickle %s: it observes a live controller's queue", Py_TYPE(self)->tp_name);
+    PyErr_Format(PyExc_TypeError, "cannot copy %s: it observes a live controller's queue", Py_TYPE(self)->tp_name);
     return NULL;
 }
 

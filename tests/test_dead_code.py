@@ -35,6 +35,8 @@ USED_ELSEWHERE = {
     ("hicache_obs/events/_state.py", "_slots_allocated"): "the fold's dispatch table (@_folds)",
     ("hicache_obs/events/_state.py", "_slots_freed"): "the fold's dispatch table (@_folds)",
     ("hicache_obs/events/_state.py", "_allocation_failed"): "the fold's dispatch table (@_folds)",
+    ("hicache_obs/events/_slots_py.py", "__call__"): "the pure twins' callbacks (Stamp, AckNote, AckTaken, ...), "
+    "called by the queues and hooks",
 }
 
 

@@ -1338,7 +1338,7 @@ class OpQueue(list):  # type: ignore[type-arg]
             self._on_cleared(taken)
 
     def __reduce__(self) -> Any:
-        raise TypeError(f"cannot pickle {type(self).__name__}: it observes a live controller's queue")
+        raise TypeError(f"cannot copy {type(self).__name__}: it observes a live controller's queue")
 
 
 class AckQueue(list):  # type: ignore[type-arg]
@@ -1383,7 +1383,7 @@ class AckQueue(list):  # type: ignore[type-arg]
             self._on_cleared(ack)
 
     def __reduce__(self) -> Any:
-        raise TypeError(f"cannot pickle {type(self).__name__}: it observes a live controller's queue")
+        raise TypeError(f"cannot copy {type(self).__name__}: it observes a live controller's queue")
 
 
 class Stamp:

@@ -739,6 +739,8 @@ POOLS_EVERY_NS = 50_000_000
 class Instrumentation:
     """One instrumented SGLang controller: its event ``log`` and ``detach()``."""
 
+    _compiled_end = True  # metrics and sampling end a submission with FinishHook (see _finisher)
+
     def __init__(self, controller: Any, log: EventLog, shape: _Shape, profile: Profile | None = None) -> None:
         self.controller = controller
         self.log = log
@@ -1243,9 +1245,9 @@ class Instrumentation:
     def _finisher(self) -> Callable[[Any, Any, BaseException | None], None]:
         """What ends a submission: :meth:`_finish`, or under ``metrics`` and ``sampling`` its
         compiled common path (:class:`~hicache_obs._native.FinishHook`: an unsampled submission
-        that moved its op and returned), :meth:`_finish` the rest. A subclass's own
-        :meth:`_finish` (the harness's floor) ends every submission itself."""
-        if self._full or type(self)._finish is not Instrumentation._finish:  # noqa: SLF001
+        that moved its op and returned), :meth:`_finish` the rest. A subclass whose own
+        :meth:`_finish` ends every submission (the harness's floor) sets ``_compiled_end`` False."""
+        if self._full or not self._compiled_end:
             return self._finish
         setup = (
             self._end,

@@ -164,6 +164,8 @@ class FloorInstrumentation(Instrumentation):
 
         return make
 
+    _compiled_end = False  # every submission ends in _finish below
+
     def _finish(self, sub: Any, result: Any, error: BaseException | None) -> None:
         if sub.op is None and error is None and not sub.acks:  # an ack: copies ran with no move
             return
