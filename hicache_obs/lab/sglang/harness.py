@@ -910,12 +910,25 @@ def _to_cuda_indices(*objs: Any) -> None:
 
 
 def _module(name: str) -> Any:
-    """SGLang's module ``name``, or None where this release has no such module."""
+    """SGLang's module ``name``, or None where this release has no such module.
+
+    Raises :class:`~hicache_obs.errors.IntegrationError` where the module is there but does
+    not import, naming what it lacks: a package missing from this Python is not a release
+    without the feature.
+    """
     try:
         found = importlib.util.find_spec(name)
     except ModuleNotFoundError:  # its parent is missing, or is a module, not a package
         return None
-    return None if found is None else importlib.import_module(name)
+    if found is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise IntegrationError(
+            f"SGLang {sglang_version()} has {name} but it does not import in {sys.prefix}: {exc}"
+            " (a package SGLang needs is not installed there)"
+        ) from exc
 
 
 def _find_class(names: Sequence[str], cls: str) -> Any:

@@ -84,10 +84,7 @@ _COMPONENT_TYPES = (
 def has_unified_hicache() -> bool:
     """Whether the installed SGLang has a ``UnifiedRadixCache`` with ``init_hicache``."""
     prepare("cpu")
-    try:
-        cls = importlib.import_module(_URC).UnifiedRadixCache
-    except (ImportError, AttributeError):
-        return False
+    cls = getattr(_module(_URC), "UnifiedRadixCache", None)
     return callable(getattr(cls, "init_hicache", None))
 
 

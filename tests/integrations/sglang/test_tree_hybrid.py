@@ -203,3 +203,22 @@ def test_what_the_harness_cannot_build_is_refused() -> None:
     for tree in set(HYBRID_TREES) - set(hybrid_trees()):
         with pytest.raises(IntegrationError, match="cannot build a hybrid Mamba tree"):
             build_hybrid_tree(tree=tree)
+
+
+def test_a_module_that_is_there_but_does_not_import_is_an_error_not_a_missing_feature(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package SGLang needs that this Python lacks is named, where before the tree was
+    reported missing from the release (and its tests skipped)."""
+    from hicache_obs.lab.sglang.harness import _module
+
+    (tmp_path / "hicache_test_pkg").mkdir()
+    (tmp_path / "hicache_test_pkg" / "__init__.py").write_text("")
+    (tmp_path / "hicache_test_pkg" / "broken.py").write_text("import hicache_test_absent_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _module("hicache_test_pkg.absent") is None
+    assert _module("hicache_test_absent_pkg.tree") is None
+    with pytest.raises(
+        IntegrationError, match=r"hicache_test_pkg\.broken but it does not import.*hicache_test_absent_dependency"
+    ):
+        _module("hicache_test_pkg.broken")
