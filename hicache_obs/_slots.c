@@ -2332,6 +2332,22 @@ static PyGetSetDef hook_getset[] = {
         .tp_getset = hook_getset,                                                                                \
     }
 
+/* A callback type: a Hook's storage (its n refs, traversed, cleared, freed alike) without
+ * __wrapped__, for the callables the adapter gives the queues and the start hook. */
+#define CALLBACK_TYPE(c_name, py_name, new_fn, doc)                                                              \
+    static PyTypeObject c_name = {                                                                               \
+        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
+        .tp_doc = doc,                                                                                           \
+        .tp_basicsize = sizeof(Hook),                                                                            \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,                        \
+        .tp_vectorcall_offset = offsetof(Hook, vectorcall),                                                      \
+        .tp_call = PyVectorcall_Call,                                                                            \
+        .tp_new = new_fn,                                                                                        \
+        .tp_dealloc = (destructor)hook_dealloc,                                                                  \
+        .tp_traverse = (traverseproc)hook_traverse,                                                              \
+        .tp_clear = (inquiry)hook_clear,                                                                         \
+    }
+
 /* CopyHook(original, current, pool, first, setup): what the SGLang adapter puts as a host
  * pool's copy method. A call (device_pool, host_indices, device_indices, ...) outside a
  * submission (current.sub None), or one whose (pool, id(host_indices), id(device_indices))
@@ -3357,21 +3373,18 @@ static PyTypeObject AckQueueType = {
     .tp_as_mapping = &ack_queue_mapping,
 };
 
-/* Stamp(times, clock): a callable that notes times[id(x)] = clock() for each x it is called with. */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *times, *clock;
-} Stamp;
-
-static PyObject *stamp_call(Stamp *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+/* Stamp(times, clock): a callable that notes times[id(x)] = clock() for each x it is called with.
+ * refs: (times, clock) */
+static PyObject *stamp_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
         PyErr_SetString(PyExc_TypeError, "Stamp() takes the one object it stamps");
         return NULL;
     }
-    PyObject *now = PyObject_CallNoArgs(self->clock);
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *now = PyObject_CallNoArgs(self->refs[1]);
     PyObject *key = now ? PyLong_FromVoidPtr(args[0]) : NULL;
-    int r = key ? PyObject_SetItem(self->times, key, now) : -1;
+    int r = key ? PyObject_SetItem(self->refs[0], key, now) : -1;
     Py_XDECREF(now);
     Py_XDECREF(key);
     if (r < 0)
@@ -3380,75 +3393,37 @@ static PyObject *stamp_call(Stamp *self, PyObject *const *args, size_t nargsf, P
 }
 
 static PyObject *stamp_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *times, *clock;
+    PyObject *refs[2];
     static char *kw[] = {"times", "clock", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Stamp", kw, &times, &clock))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Stamp", kw, &refs[0], &refs[1]))
         return NULL;
-    if (!PyDict_Check(times) || !PyCallable_Check(clock)) {
-        PyErr_Format(PyExc_TypeError, "Stamp(): times is a dict and clock a callable, got %R and %R", times, clock);
+    if (!PyDict_Check(refs[0]) || !PyCallable_Check(refs[1])) {
+        PyErr_Format(PyExc_TypeError, "Stamp(): times is a dict and clock a callable, got %R and %R", refs[0], refs[1]);
         return NULL;
     }
-    Stamp *self = (Stamp *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->times = Py_NewRef(times);
-    self->clock = Py_NewRef(clock);
-    self->vectorcall = (vectorcallfunc)stamp_call;
-    return (PyObject *)self;
+    return hook_new(type, (vectorcallfunc)stamp_call, 2, refs);
 }
 
-static int stamp_traverse(Stamp *self, visitproc visit, void *arg) {
-    Py_VISIT(self->times);
-    Py_VISIT(self->clock);
-    return 0;
-}
-
-static int stamp_clear(Stamp *self) {
-    Py_CLEAR(self->times);
-    Py_CLEAR(self->clock);
-    return 0;
-}
-
-static void stamp_dealloc(Stamp *self) {
-    PyObject_GC_UnTrack(self);
-    stamp_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyTypeObject StampType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.Stamp",
-    .tp_doc = "Stamp(times, clock): called with x, notes times[id(x)] = clock().",
-    .tp_basicsize = sizeof(Stamp),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(Stamp, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = stamp_new,
-    .tp_dealloc = (destructor)stamp_dealloc,
-    .tp_traverse = (traverseproc)stamp_traverse,
-    .tp_clear = (inquiry)stamp_clear,
-};
+CALLBACK_TYPE(StampType, "Stamp", stamp_new, "Stamp(times, clock): called with x, notes times[id(x)] = clock().");
 
 /* AckNote(current, direction, failed): the ack queue's on_append: an ack appended inside a
  * submission of this direction (current.sub.direction) joins current.sub.acks. A failure is
- * failed("note an ack of a submission"), never raised into the append. */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *current, *direction, *failed;
-} AckNote;
-
-static PyObject *ack_note_call(AckNote *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+ * failed("note an ack of a submission"), never raised into the append.
+ * refs: (current, direction, failed) */
+static PyObject *ack_note_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
         PyErr_SetString(PyExc_TypeError, "AckNote() takes the one ack appended");
         return NULL;
     }
+    if (hook_alive(self) < 0)
+        return NULL;
     int r = -1;
-    PyObject *sub = PyObject_GetAttr(self->current, s_sub);
+    PyObject *sub = PyObject_GetAttr(self->refs[0], s_sub);
     if (sub == Py_None) {
         r = 0;
     } else if (sub) {
         PyObject *direction = PyObject_GetAttr(sub, s_direction);
-        int mine = direction ? PyObject_RichCompareBool(direction, self->direction, Py_EQ) : -1;
+        int mine = direction ? PyObject_RichCompareBool(direction, self->refs[1], Py_EQ) : -1;
         Py_XDECREF(direction);
         PyObject *acks = mine > 0 ? PyObject_GetAttr(sub, s_acks) : NULL;
         PyObject *done = acks ? PyObject_CallMethodOneArg(acks, s_append, args[0]) : NULL;
@@ -3457,63 +3432,26 @@ static PyObject *ack_note_call(AckNote *self, PyObject *const *args, size_t narg
         r = mine == 0 ? 0 : done ? 0 : -1;
     }
     Py_XDECREF(sub);
-    if (r < 0 && count_failure(self->failed, "note an ack of a submission") < 0)
+    if (r < 0 && count_failure(self->refs[2], "note an ack of a submission") < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *ack_note_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *current, *direction, *failed;
+    PyObject *refs[3];
     static char *kw[] = {"current", "direction", "failed", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:AckNote", kw, &current, &direction, &failed))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:AckNote", kw, &refs[0], &refs[1], &refs[2]))
         return NULL;
-    if (!PyCallable_Check(failed)) {
-        PyErr_Format(PyExc_TypeError, "AckNote(): failed is a callable, got %R", failed);
+    if (!PyCallable_Check(refs[2])) {
+        PyErr_Format(PyExc_TypeError, "AckNote(): failed is a callable, got %R", refs[2]);
         return NULL;
     }
-    AckNote *self = (AckNote *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->current = Py_NewRef(current);
-    self->direction = Py_NewRef(direction);
-    self->failed = Py_NewRef(failed);
-    self->vectorcall = (vectorcallfunc)ack_note_call;
-    return (PyObject *)self;
+    return hook_new(type, (vectorcallfunc)ack_note_call, 3, refs);
 }
 
-static int ack_note_traverse(AckNote *self, visitproc visit, void *arg) {
-    Py_VISIT(self->current);
-    Py_VISIT(self->direction);
-    Py_VISIT(self->failed);
-    return 0;
-}
-
-static int ack_note_clear(AckNote *self) {
-    Py_CLEAR(self->current);
-    Py_CLEAR(self->direction);
-    Py_CLEAR(self->failed);
-    return 0;
-}
-
-static void ack_note_dealloc(AckNote *self) {
-    PyObject_GC_UnTrack(self);
-    ack_note_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyTypeObject AckNoteType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.AckNote",
-    .tp_doc = "AckNote(current, direction, failed): called with an ack appended, adds it to current.sub.acks where "
-              "current.sub is a submission of this direction.",
-    .tp_basicsize = sizeof(AckNote),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(AckNote, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = ack_note_new,
-    .tp_dealloc = (destructor)ack_note_dealloc,
-    .tp_traverse = (traverseproc)ack_note_traverse,
-    .tp_clear = (inquiry)ack_note_clear,
-};
+CALLBACK_TYPE(AckNoteType, "AckNote", ack_note_new,
+              "AckNote(current, direction, failed): called with an ack appended, adds it to current.sub.acks where "
+              "current.sub is a submission of this direction.");
 
 /* FinishHook(fallback, setup): the end of a submission under the SGLang adapter's metrics
  * and sampling profiles, called (sub, result, error) once the controller's start returned or
@@ -3599,21 +3537,17 @@ static int finish_described(PyObject *const *setup, PyObject *sub, PyObject *op,
     return r;
 }
 
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *fallback, *setup;
-} FinishHook;
-
-static PyObject *finish_hook_call(FinishHook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *finish_hook_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 3 || kwnames) {
         PyErr_SetString(PyExc_TypeError, "FinishHook() takes (sub, result, error)");
         return NULL;
     }
+    if (hook_alive(self) < 0)
+        return NULL;
     PyObject *sub = args[0], *result = args[1], *error = args[2];
-    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[1], 0);
     if (error != Py_None)
-        return PyObject_Vectorcall(self->fallback, args, 3, NULL);
+        return PyObject_Vectorcall(self->refs[0], args, 3, NULL);
     PyObject *op = PyObject_GetAttr(sub, s_op);
     if (!op)
         return NULL;
@@ -3624,7 +3558,7 @@ static PyObject *finish_hook_call(FinishHook *self, PyObject *const *args, size_
         Py_DECREF(op);
         if (values < 0 && PyErr_Occurred())
             return NULL;
-        return PyObject_Vectorcall(self->fallback, args, 3, NULL);
+        return PyObject_Vectorcall(self->refs[0], args, 3, NULL);
     }
     PyObject *ctx = PyObject_CallNoArgs(setup[FN_NTF]);
     PyObject *entered = ctx ? PyObject_VectorcallMethod(s_enter, &ctx, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL) : NULL;
@@ -3685,46 +3619,13 @@ static PyObject *finish_hook_new(PyTypeObject *type, PyObject *args, PyObject *k
         PyErr_Format(PyExc_TypeError, "FinishHook(): setup's pending is a dict, got %R", PyTuple_GET_ITEM(setup, FN_PENDING));
         return NULL;
     }
-    FinishHook *self = (FinishHook *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->fallback = Py_NewRef(fallback);
-    self->setup = Py_NewRef(setup);
-    self->vectorcall = (vectorcallfunc)finish_hook_call;
-    return (PyObject *)self;
+    PyObject *refs[2] = {fallback, setup};
+    return hook_new(type, (vectorcallfunc)finish_hook_call, 2, refs);
 }
 
-static int finish_hook_traverse(FinishHook *self, visitproc visit, void *arg) {
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->setup);
-    return 0;
-}
-
-static int finish_hook_clear(FinishHook *self) {
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->setup);
-    return 0;
-}
-
-static void finish_hook_dealloc(FinishHook *self) {
-    PyObject_GC_UnTrack(self);
-    finish_hook_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyTypeObject FinishHookType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots.FinishHook",
-    .tp_doc = "FinishHook(fallback, setup): the end of a submission under the SGLang adapter's metrics and sampling "
-              "profiles, called (sub, result, error) (see the module source).",
-    .tp_basicsize = sizeof(FinishHook),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(FinishHook, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_new = finish_hook_new,
-    .tp_dealloc = (destructor)finish_hook_dealloc,
-    .tp_traverse = (traverseproc)finish_hook_traverse,
-    .tp_clear = (inquiry)finish_hook_clear,
-};
+CALLBACK_TYPE(FinishHookType, "FinishHook", finish_hook_new,
+              "FinishHook(fallback, setup): the end of a submission under the SGLang adapter's metrics and sampling "
+              "profiles, called (sub, result, error) (see the module source).");
 
 /* AckTaken(fallback, setup): an ack queue's on_taken under the SGLang adapter's metrics and
  * sampling profiles, called with the ack taken out. An ack no op awaits (not in pending) is
@@ -3742,18 +3643,14 @@ static PyTypeObject FinishHookType = {
 enum { AT_PENDING, AT_HELD, AT_STATE, AT_EMIT, AT_CLS, AT_FAILED, AT_SYNC, AT_N };
 enum { QC_DIRECTION, QC_RESETTING, QC_QUEUED_AT, QC_CURRENT, QC_N };
 
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *fallback, *setup;
-} Callback;
-
-static PyObject *ack_taken_call(Callback *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *ack_taken_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
         PyErr_SetString(PyExc_TypeError, "AckTaken() takes the ack taken out");
         return NULL;
     }
-    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[1], 0);
     PyObject *ack = args[0], *key = PyLong_FromVoidPtr(ack);
     if (!key)
         return NULL;
@@ -3772,7 +3669,7 @@ static PyObject *ack_taken_call(Callback *self, PyObject *const *args, size_t na
     }
     if (slow != 0) {
         Py_DECREF(key);
-        return slow < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 1, NULL);
+        return slow < 0 ? NULL : PyObject_Vectorcall(self->refs[0], args, 1, NULL);
     }
     Py_INCREF(awaits);
     int gone = PyDict_DelItem(setup[AT_PENDING], key);
@@ -3821,17 +3718,19 @@ static int same_objects(PyObject *a, PyObject *b) {
     return 1;
 }
 
-static PyObject *queue_cleared_call(Callback *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+static PyObject *queue_cleared_call(Hook *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     if (PyVectorcall_NARGS(nargsf) != 1 || kwnames) {
         PyErr_SetString(PyExc_TypeError, "QueueCleared() takes the ops a clear() took");
         return NULL;
     }
-    PyObject *const *setup = &PyTuple_GET_ITEM(self->setup, 0);
+    if (hook_alive(self) < 0)
+        return NULL;
+    PyObject *const *setup = &PyTuple_GET_ITEM(self->refs[1], 0);
     PyObject *depth = PyObject_GetAttr(setup[QC_RESETTING], s_depth);
     int resetting = depth ? PyObject_IsTrue(depth) : -1;
     Py_XDECREF(depth);
     if (resetting != 0)
-        return resetting < 0 ? NULL : PyObject_Vectorcall(self->fallback, args, 1, NULL);
+        return resetting < 0 ? NULL : PyObject_Vectorcall(self->refs[0], args, 1, NULL);
     int noted = PyObject_IsTrue(setup[QC_QUEUED_AT]);
     if (noted <= 0) {
         if (noted < 0)
@@ -3853,25 +3752,7 @@ static PyObject *queue_cleared_call(Callback *self, PyObject *const *args, size_
     Py_DECREF(sub);
     if (usual != 0)
         return usual < 0 ? NULL : Py_NewRef(Py_None);
-    return PyObject_Vectorcall(self->fallback, args, 1, NULL);
-}
-
-static int callback_traverse(Callback *self, visitproc visit, void *arg) {
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->setup);
-    return 0;
-}
-
-static int callback_clear(Callback *self) {
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->setup);
-    return 0;
-}
-
-static void callback_dealloc(Callback *self) {
-    PyObject_GC_UnTrack(self);
-    callback_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    return PyObject_Vectorcall(self->refs[0], args, 1, NULL);
 }
 
 static PyObject *callback_new(PyTypeObject *type, PyObject *args, PyObject *kwargs, const char *name, Py_ssize_t n,
@@ -3885,20 +3766,15 @@ static PyObject *callback_new(PyTypeObject *type, PyObject *args, PyObject *kwar
                      fallback, setup);
         return NULL;
     }
-    Callback *self = (Callback *)type->tp_alloc(type, 0);
-    if (!self)
-        return NULL;
-    self->fallback = Py_NewRef(fallback);
-    self->setup = Py_NewRef(setup);
-    self->vectorcall = call;
-    return (PyObject *)self;
+    PyObject *refs[2] = {fallback, setup};
+    return hook_new(type, call, 2, refs);
 }
 
 static PyObject *ack_taken_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *self = callback_new(type, args, kwargs, "AckTaken", AT_N, (vectorcallfunc)ack_taken_call);
     if (!self)
         return NULL;
-    PyObject *setup = ((Callback *)self)->setup;
+    PyObject *setup = ((Hook *)self)->refs[1];
     if (!PyDict_Check(PyTuple_GET_ITEM(setup, AT_PENDING)) || !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_EMIT)) ||
         !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_FAILED)) || !PyCallable_Check(PyTuple_GET_ITEM(setup, AT_SYNC))) {
         PyErr_Format(PyExc_TypeError, "AckTaken(): setup is (pending dict, held, state, emit, cls, failed, sync), "
@@ -3913,20 +3789,6 @@ static PyObject *ack_taken_new(PyTypeObject *type, PyObject *args, PyObject *kwa
 static PyObject *queue_cleared_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     return callback_new(type, args, kwargs, "QueueCleared", QC_N, (vectorcallfunc)queue_cleared_call);
 }
-
-#define CALLBACK_TYPE(c_name, py_name, new_fn, doc)                                                              \
-    static PyTypeObject c_name = {                                                                               \
-        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
-        .tp_doc = doc,                                                                                           \
-        .tp_basicsize = sizeof(Callback),                                                                        \
-        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,                        \
-        .tp_vectorcall_offset = offsetof(Callback, vectorcall),                                                  \
-        .tp_call = PyVectorcall_Call,                                                                            \
-        .tp_new = new_fn,                                                                                        \
-        .tp_dealloc = (destructor)callback_dealloc,                                                              \
-        .tp_traverse = (traverseproc)callback_traverse,                                                          \
-        .tp_clear = (inquiry)callback_clear,                                                                     \
-    }
 
 CALLBACK_TYPE(AckTakenType, "AckTaken", ack_taken_new,
               "AckTaken(fallback, setup): an ack queue's on_taken under the SGLang adapter's metrics and sampling "
