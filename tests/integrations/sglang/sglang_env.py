@@ -18,10 +18,24 @@ def release_tuple() -> tuple[int, ...]:
     return tuple(int(x) for x in (RELEASE or "0").split(".")[:3] if x.isdigit())
 
 
-#: The CPU server's stand-ins follow 0.5.23's modules, the release whose real server the tests run.
-SERVER_RELEASE = pytest.mark.skipif(
-    release_tuple() < (0, 5, 23), reason="the CPU server stand-ins are for SGLang 0.5.23's modules"
-)
+#: SGLang's HTTP server packages (``make sglang-server``), which the real server and the model
+#: modules the CPU server's stand-ins patch import; in CI a release that has its server set must
+#: have them (HICACHE_REQUIRE_SGLANG_SERVER=1: its tests run, and fail, rather than skip).
+SERVER_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("uvicorn", "fastapi", "einops"))
+SERVER_REQUIRED = os.environ.get("HICACHE_REQUIRE_SGLANG_SERVER") == "1"
+
+
+def _server_release_reason() -> str:
+    if release_tuple() < (0, 5, 23):
+        return "the CPU server stand-ins are for SGLang 0.5.23's modules"
+    if not (SERVER_INSTALLED or SERVER_REQUIRED):
+        return "SGLang's server packages are not installed here (make sglang-server)"
+    return ""
+
+
+#: The CPU server's stand-ins follow 0.5.23's modules, the release whose real server the tests
+#: run, and import what its server set installs.
+SERVER_RELEASE = pytest.mark.skipif(bool(_server_release_reason()), reason=_server_release_reason() or "runs")
 
 
 def mamba_layouts() -> tuple[str, ...]:

@@ -16,10 +16,8 @@ each test checks what a user sees:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sglang_env import RELEASE, release_tuple
+from sglang_env import RELEASE, SERVER_INSTALLED, SERVER_REQUIRED, release_tuple
 
 from hicache_obs._profiles import Profile
 from hicache_obs.lab.sglang.server import (
@@ -49,8 +47,6 @@ from hicache_obs.lab.sglang.server import (
 
 pytestmark = pytest.mark.needs_sglang
 
-SERVER_INSTALLED = all(importlib.util.find_spec(m) is not None for m in ("uvicorn", "fastapi", "openai"))
-SERVER_REQUIRED = os.environ.get("HICACHE_REQUIRE_SGLANG_SERVER") == "1"
 needs_server = pytest.mark.skipif(
     not SERVER_INSTALLED, reason="SGLang's server packages are not installed here (make sglang-server)"
 )
