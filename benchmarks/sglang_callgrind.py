@@ -23,6 +23,8 @@ level-1 and last-level cache misses, and ``cycles``, callgrind's estimate
 bare's, and ``per_op_instructions``, the instructions it adds to an operation; with
 ``--by-code``, ``per_op_instructions_by_code``: the same split by the code that ran them
 (:data:`CODE`), from each function's own instructions (``callgrind_annotate``).
+``--keep DIR`` copies each run's dump into ``DIR`` (``bare.callgrind``, ``metrics.callgrind``,
+...), for ``callgrind_annotate`` to say which functions the added instructions ran in.
 ``--opcodes`` counts, instead of instructions, the bytecode steps the controller's thread
 runs in each Python function (``sys.settrace`` opcode events, no valgrind): per profile
 ``per_op_opcodes``, ``per_op_calls`` and ``by_function``, what each function adds to an
@@ -69,7 +71,7 @@ PARTS = {
 }
 #: what ``--by-code`` splits an operation's added instructions into, by the code that ran them
 CODE = {
-    "bytecode": "CPython's bytecode loop: the steps of Python functions themselves",
+    "bytecode": "CPython's bytecode loop (Python/ceval.c): the steps of Python functions, and their calls",
     "cpython": "the rest of CPython: calls, attribute and dict lookups, objects made and freed",
     "memory": "CPython's object allocator and garbage collector",
     "hicache_obs_c": "this project's compiled pieces (_slots, _logcore, _copy)",
@@ -273,7 +275,9 @@ def code_of(source: str, function: str, obj: str, python: str) -> str:
     another function), ``python`` the interpreter's executable (a static CPython's
     functions lie in it)."""
     where = f"{source} {obj}"
-    if function.startswith("_PyEval_EvalFrameDefault"):
+    # by file as well as by name: an optimized CPython's build places parts of the loop where
+    # the debug information names another function of ceval.c (_PyObject_MakeTpCall)
+    if function.startswith("_PyEval_EvalFrameDefault") or source.endswith("Python/ceval.c"):
         return "bytecode"
     if "/msgspec/" in where:
         return "msgspec"
@@ -402,6 +406,12 @@ def main() -> None:
         action="store_true",
         help="count each Python function's bytecode steps on the controller's thread instead (no valgrind)",
     )
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="copy each run's dump of the controller's thread into DIR (KIND.callgrind), to read with callgrind_annotate",
+    )
     ap.add_argument("--child", choices=KINDS, help=argparse.SUPPRESS)
     ap.add_argument("--child-leaves-out", choices=sorted(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--lib", type=Path, help=argparse.SUPPRESS)
@@ -412,6 +422,8 @@ def main() -> None:
     if args.leave_out and "metrics" not in args.profiles:
         args.profiles.append("metrics")  # what a part's count is read against
     if args.opcodes:
+        if args.keep:
+            raise SystemExit("sglang_callgrind: --keep keeps callgrind's dumps; --opcodes makes none")
         if args.by_code:
             raise SystemExit("sglang_callgrind: --by-code splits callgrind's instructions; --opcodes counts none")
         print(json.dumps(_count_opcodes(args), indent=1))
@@ -447,6 +459,9 @@ def main() -> None:
             dumps = sorted(work.glob(f"{kind}.{proc.pid}.1-01"))  # the counted serving, the controller's thread
             if not dumps:
                 raise SystemExit(f"sglang_callgrind: no dump of the {kind} run's controller thread in {work}")
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(dumps[0], args.keep / f"{kind}.callgrind")
             s = _summary(dumps[0])
             l1 = s.get("I1mr", 0) + s.get("D1mr", 0) + s.get("D1mw", 0)
             ll = s.get("ILmr", 0) + s.get("DLmr", 0) + s.get("DLmw", 0)
