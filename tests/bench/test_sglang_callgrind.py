@@ -72,6 +72,14 @@ def test_a_function_of_another_executable_is_not_cpython(cg: ModuleType) -> None
     assert cg.code_of("/src/app/Objects/thing.c", "f", "/srv/lib/libapp.so", PY) == "other"
 
 
+def test_the_loop_placed_under_another_name_of_ceval_c_is_the_bytecode_loop(cg: ModuleType) -> None:
+    """An optimized CPython's debug information names parts of the bytecode loop after another
+    function of ceval.c: they are the loop's, not the rest of CPython's calls."""
+    assert cg.code_of(f"{BUILD}/Python/ceval.c", "_PyObject_MakeTpCall", PY, PY) == "bytecode"
+    assert cg.code_of(f"{BUILD}/Objects/call.c", "_PyObject_MakeTpCall", PY, PY) == "cpython"
+    assert cg.code_of(f"{BUILD}/./Include/object.h", "_PyObject_MakeTpCall", "", PY) == "cpython"
+
+
 def test_nothing_before_the_function_table_is_counted(cg: ModuleType) -> None:
     header_only = ANNOTATED.split("PROGRAM TOTALS")[0] + "PROGRAM TOTALS\n"
     assert sum(cg.by_code(header_only, PY).values()) == 0
