@@ -2318,23 +2318,10 @@ static PyGetSetDef hook_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-#define HOOK_TYPE(c_name, py_name, new_fn)                                                                       \
-    static PyTypeObject c_name = {                                                                               \
-        PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
-        .tp_basicsize = sizeof(Hook),                                                                            \
-        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,                        \
-        .tp_vectorcall_offset = offsetof(Hook, vectorcall),                                                      \
-        .tp_call = PyVectorcall_Call,                                                                            \
-        .tp_new = new_fn,                                                                                        \
-        .tp_dealloc = (destructor)hook_dealloc,                                                                  \
-        .tp_traverse = (traverseproc)hook_traverse,                                                              \
-        .tp_clear = (inquiry)hook_clear,                                                                         \
-        .tp_getset = hook_getset,                                                                                \
-    }
-
-/* A callback type: a Hook's storage (its n refs, traversed, cleared, freed alike) without
- * __wrapped__, for the callables the adapter gives the queues and the start hook. */
-#define CALLBACK_TYPE(c_name, py_name, new_fn, doc)                                                              \
+/* A type whose objects are Hooks (their n refs traversed, cleared and freed alike), called
+ * by vectorcall: the hooks (with __wrapped__) and the callbacks the adapter gives the queues
+ * and the start hook (without). */
+#define VECTORCALL_TYPE(c_name, py_name, new_fn, doc, getset)                                                   \
     static PyTypeObject c_name = {                                                                               \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hicache_obs._slots." py_name,                                  \
         .tp_doc = doc,                                                                                           \
@@ -2346,7 +2333,10 @@ static PyGetSetDef hook_getset[] = {
         .tp_dealloc = (destructor)hook_dealloc,                                                                  \
         .tp_traverse = (traverseproc)hook_traverse,                                                              \
         .tp_clear = (inquiry)hook_clear,                                                                         \
+        .tp_getset = getset,                                                                                     \
     }
+#define HOOK_TYPE(c_name, py_name, new_fn) VECTORCALL_TYPE(c_name, py_name, new_fn, NULL, hook_getset)
+#define CALLBACK_TYPE(c_name, py_name, new_fn, doc) VECTORCALL_TYPE(c_name, py_name, new_fn, doc, NULL)
 
 /* CopyHook(original, current, pool, first, setup): what the SGLang adapter puts as a host
  * pool's copy method. A call (device_pool, host_indices, device_indices, ...) outside a
