@@ -106,13 +106,17 @@ def _required(obj: Any, names: Sequence[str], what: str) -> None:
         raise IntegrationError(f"SGLang {sglang_version()}: {what} has no {', '.join(missing)}; cannot drive it")
 
 
+def _component_types_or_none() -> Any:
+    """The unified tree's ``ComponentType`` from whichever of :data:`_COMPONENT_TYPES` this
+    release has, or None."""
+    return next((m.ComponentType for m in map(_module, _COMPONENT_TYPES) if hasattr(m, "ComponentType")), None)
+
+
 def _component_types() -> Any:
-    for name in _COMPONENT_TYPES:
-        try:
-            return importlib.import_module(name).ComponentType
-        except (ImportError, AttributeError):
-            continue
-    raise IntegrationError(f"SGLang {sglang_version()}: no ComponentType in {' or '.join(_COMPONENT_TYPES)}")
+    found = _component_types_or_none()
+    if found is None:
+        raise IntegrationError(f"SGLang {sglang_version()}: no ComponentType in {' or '.join(_COMPONENT_TYPES)}")
+    return found
 
 
 def _prefix_rows(tokens: Sequence[int], start: int, shape: tuple[int, ...], salt: bytes = b"") -> torch.Tensor:
@@ -597,11 +601,10 @@ def hybrid_trees() -> tuple[str, ...]:
     """The hybrid Mamba trees with HiCache the installed SGLang has, the scheduler's choice first."""
     prepare("cpu")
     found = []
-    components = next((m for m in map(_module, _COMPONENT_TYPES) if hasattr(m, "ComponentType")), None)
     assembler = _module(_ASSEMBLER)
     if (
         has_unified_hicache()
-        and hasattr(getattr(components, "ComponentType", None), "MAMBA")
+        and hasattr(_component_types_or_none(), "MAMBA")
         and callable(getattr(assembler, "attach_hybrid_pool_to_unified_cache", None))
     ):
         found.append("unified")
@@ -936,8 +939,7 @@ def swa_tree_missing() -> str | None:
     prepare("cpu")
     if not has_unified_hicache():
         return f"no {_URC}.UnifiedRadixCache with init_hicache"
-    components = next((m for m in map(_module, _COMPONENT_TYPES) if hasattr(m, "ComponentType")), None)
-    if not hasattr(getattr(components, "ComponentType", None), "SWA"):
+    if not hasattr(_component_types_or_none(), "SWA"):
         return f"no ComponentType.SWA in {' or '.join(_COMPONENT_TYPES)}"
     if not callable(getattr(_module(_ASSEMBLER), "attach_hybrid_pool_to_unified_cache", None)):
         return f"no {_ASSEMBLER}.attach_hybrid_pool_to_unified_cache"
