@@ -76,6 +76,8 @@ SGLANG_REQS := tests/integrations/sglang/requirements
 SGLANG_PTH := _hicache_obs_main_venv.pth
 SGLANG_TESTS := tests/integrations/sglang
 SGLANG_PIP_ARGS ?= --no-compile
+# what a release's install imports at its end: the controller, and the hybrid trees the tests build
+SGLANG_IMPORT_CHECK := 'from hicache_obs.lab.sglang.harness import prepare; prepare(); import sglang.srt.managers.cache_controller; from hicache_obs.lab.sglang.tree import hybrid_trees; print("hybrid trees:", hybrid_trees())'
 
 sglang: $(foreach r,$(SGLANG_RELEASES),$(SGLANG_DIR)/$(r)/.installed)
 
@@ -95,7 +97,7 @@ $(SGLANG_DIR)/%/.installed: $(SGLANG_REQS)/sglang-%.txt | $(STAMP)
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" $*
 	# import what the tests import, once: its bytecode is written now, and the stand-ins are proven
 	env -u PYTHONDONTWRITEBYTECODE $(SGLANG_DIR)/$*/bin/python -W ignore -c \
-	  'from hicache_obs.lab.sglang.harness import prepare; prepare(); import sglang.srt.managers.cache_controller; from hicache_obs.lab.sglang.tree import hybrid_trees; print("hybrid trees:", hybrid_trees())'
+	  $(SGLANG_IMPORT_CHECK)
 	touch $@
 
 # What SGLang's HTTP server needs on top of a release's set, for the real-server tests
@@ -136,7 +138,7 @@ sglang-check: | $(STAMP)
 	  rel=$$($(SGLANG_DIR)/check-$(RELEASE)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
 	  echo "import site; site.addsitedir('$$main')" > "$$rel/$(SGLANG_PTH)"
 	$(SGLANG_DIR)/check-$(RELEASE)/bin/python -W ignore -c \
-	  'from hicache_obs.lab.sglang.harness import prepare; prepare(); import sglang.srt.managers.cache_controller; from hicache_obs.lab.sglang.tree import hybrid_trees; print("hybrid trees:", hybrid_trees())'
+	  $(SGLANG_IMPORT_CHECK)
 	HICACHE_REQUIRE_SGLANG=1 $(SGLANG_DIR)/check-$(RELEASE)/bin/python -m pytest -q -p no:cacheprovider \
 	  $(SGLANG_TESTS) --ignore=$(SGLANG_TESTS)/test_kernels.py $(PYTEST_ARGS)
 
