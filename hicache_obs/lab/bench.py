@@ -1214,8 +1214,13 @@ def run_bench(
     progress: Callable[[str], None] | None = None,
     sections: tuple[str, ...] = ("overhead", "events", "data_path", "sglang"),
     threads: int | None = 1,
+    profile_rounds: int | None = None,
 ) -> dict[str, Any]:
     """Run the sections; ``quick`` keeps the whole run under a minute.
+
+    ``profile_rounds``: the rounds of the ``sglang`` section's measure per profile
+    (:func:`bench_sglang_profiles_here`; None: 2 with ``quick``, else 7). Its spread narrows
+    as the square root of the rounds.
 
     ``threads`` sets torch's intra-op threads for the run (default 1: on a small
     shared machine OpenMP threads that spin while another process holds a core
@@ -1253,7 +1258,7 @@ def run_bench(
             rounds=3 if quick else 15,
             slices=2 if quick else 4,
             threads=torch.get_num_threads() if threads is not None else None,
-            profile_rounds=2 if quick else 7,
+            profile_rounds=profile_rounds if profile_rounds is not None else 2 if quick else 7,
         )
     result["targets"] = check_targets(result)
     return result

@@ -20,6 +20,31 @@ def test_negative_threads_is_one_clear_error(capsys: pytest.CaptureFixture[str])
     assert err.count("\n") == 1 and "--threads must be >= 0, got -1" in err
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_profile_rounds_below_one_is_one_clear_error(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert main(["bench", "--profile-rounds", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--profile-rounds must be >= 1, got {value}" in err
+
+
+@pytest.mark.parametrize(("argv", "rounds"), [([], 7), (["--quick"], 2), (["--profile-rounds", "45"], 45)])
+def test_profile_rounds_reach_the_sglang_section(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], rounds: int
+) -> None:
+    import hicache_obs.lab.bench as bench
+
+    seen: list[int | None] = []
+
+    def sglang(**kw: object) -> dict[str, object]:
+        seen.append(kw["profile_rounds"])  # type: ignore[arg-type]
+        return {"available": False, "reason": "not here"}
+
+    monkeypatch.setattr(bench, "bench_sglang", sglang)
+    assert main(["bench", "--section", "sglang", "--json", *argv]) == 0
+    assert seen == [rounds]
+    assert '"reason": "not here"' in capsys.readouterr().out
+
+
 def test_unknown_section_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--section", "gpu"]) == 2
     assert "invalid choice: 'gpu'" in capsys.readouterr().err

@@ -17,6 +17,7 @@ examples:
   hicache-obs bench --json > b.json  the full run as one JSON object
   hicache-obs bench --section events --json
   .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang
+  .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang --profile-rounds 45
 
 Every figure is a ratio of two things measured in the same process, interleaved
 round by round; the median of the per-round ratios is shown with its spread.
@@ -52,6 +53,13 @@ def register(sub: Any) -> None:
         metavar="N",
         help="torch intra-op threads during the run (default 1; 0 keeps torch's default)",
     )
+    p.add_argument(
+        "--profile-rounds",
+        type=int,
+        metavar="N",
+        help="rounds of the sglang section's measure per profile (default 7; 2 with --quick); "
+        "its spread narrows as the square root of N",
+    )
     p.set_defaults(func=run)
 
 
@@ -66,11 +74,16 @@ def run(args: argparse.Namespace) -> int:
         from hicache_obs.cli._common import CliError
 
         raise CliError(f"bench: --threads must be >= 0, got {args.threads}")
+    if args.profile_rounds is not None and args.profile_rounds < 1:
+        from hicache_obs.cli._common import CliError
+
+        raise CliError(f"bench: --profile-rounds must be >= 1, got {args.profile_rounds}")
     result = run_bench(
         quick=args.quick,
         progress=progress,
         sections=tuple(args.section or SECTIONS),
         threads=args.threads or None,
+        profile_rounds=args.profile_rounds,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=2)
