@@ -96,6 +96,14 @@ def ratio_of_times(ours: list[float], reference: list[float]) -> Ratio:
     return _ratio([o / r for o, r in zip(ours, reference)])
 
 
+def difference_by_round(ours: list[float], reference: list[float]) -> Ratio:
+    """Per-round ``ours - reference`` of two ratios taken over the same rounds (paired: what
+    the rounds' common denominator adds to both cancels), its median and spread."""
+    if len(ours) != len(reference):
+        raise ValueError(f"rounds differ: {len(ours)} vs {len(reference)}")
+    return _ratio([o - r for o, r in zip(ours, reference)])
+
+
 def ratio_of_rates(ours: list[float], reference: list[float]) -> Ratio:
     """Per-round ``ours / reference`` of rates (higher is better)."""
     return ratio_of_times(ours, reference)
@@ -923,6 +931,9 @@ def bench_sglang_profiles_here(
     thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
     (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
     host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
+    ``controller_cpu_ratio_rounds``: each round's ratio. ``sampling_minus_metrics``: the median
+    of the rounds' ``sampling`` ratio minus their ``metrics`` ratio (paired: both over the same
+    bare runs), with its spread.
     """
     from hicache_obs.core._spec import ModelSpec
     from hicache_obs.events._log import EventLog
@@ -1080,12 +1091,17 @@ def bench_sglang_profiles_here(
         out[name] = {
             "controller_cpu_ratio": ratio.median,
             "controller_cpu_ratio_spread": [ratio.lo, ratio.hi],
+            "controller_cpu_ratio_rounds": [m / b for m, b in zip(mine, bare)],
             "per_op_us": statistics.median(per_op),
             "per_op_us_spread": [min(per_op), max(per_op)],
             "events_per_op": statistics.median(ev) if ev else None,
             "sink_host_cpu_us_per_event": statistics.median(host) if host else None,
         }
-    out["sampling_minus_metrics"] = out["sampling"]["controller_cpu_ratio"] - out["metrics"]["controller_cpu_ratio"]
+    diff = difference_by_round(
+        out["sampling"]["controller_cpu_ratio_rounds"], out["metrics"]["controller_cpu_ratio_rounds"]
+    )
+    out["sampling_minus_metrics"] = diff.median
+    out["sampling_minus_metrics_spread"] = [diff.lo, diff.hi]
     if tried:
         out["backends_refused"] = tried
     return out

@@ -96,3 +96,14 @@ def test_overhead_section_measures_every_profile_of_our_controller() -> None:
     assert "; metrics " in line and "; sampling " in line and line.count(" us an op") == 3
     with pytest.raises(ValueError, match="profile 'audit' is not one of metrics, sampling"):
         bench_overhead(steps=1, rounds=1, runtimes=("sim",), profiles=("audit",))
+
+
+def test_a_difference_of_ratios_is_taken_round_by_round() -> None:
+    from hicache_obs.lab.bench import difference_by_round
+
+    # 0.01 apart in two rounds, 0.1 in the third; the rounds' own noise (1.0 to 1.5) moves
+    # both: paired it cancels, where the difference of the two medians would read 0.1
+    got = difference_by_round([1.01, 1.51, 1.2], [1.0, 1.5, 1.1])
+    assert (got.median, got.lo, got.hi, got.n) == pytest.approx((0.01, 0.01, 0.1, 3))
+    with pytest.raises(ValueError, match="rounds differ: 2 vs 3"):
+        difference_by_round([1.0, 1.0], [1.0, 1.0, 1.0])

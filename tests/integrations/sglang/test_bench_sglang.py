@@ -71,7 +71,11 @@ def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
     # one event per submission and one per completion: at most two an operation
     assert 0 < pr["metrics"]["events_per_op"] <= 2.0 and 0 < pr["sampling"]["events_per_op"] <= 2.0
     assert pr["audit"]["events_per_op"] > 2 * pr["metrics"]["events_per_op"]
-    assert pr["sampling_minus_metrics"] == pr["sampling"]["controller_cpu_ratio"] - pr["metrics"]["controller_cpu_ratio"]
+    # one round: its ratio is the median, and the paired difference is the two ratios' difference
+    for name in ("metrics", "audit", "sampling"):
+        assert pr[name]["controller_cpu_ratio_rounds"] == [pr[name]["controller_cpu_ratio"]]
+    diff = pr["sampling"]["controller_cpu_ratio"] - pr["metrics"]["controller_cpu_ratio"]
+    assert pr["sampling_minus_metrics"] == diff and pr["sampling_minus_metrics_spread"] == [diff, diff]
     assert "; sampling 0.01 minus metrics " in _profiles_line(pr)
 
 
