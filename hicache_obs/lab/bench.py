@@ -1152,12 +1152,14 @@ def bench_sglang(
     rounds: int = 5,
     slices: int = 4,
     threads: int | None = 1,
-    timeout: float = 900.0,
+    timeout: float | None = None,
     backends: tuple[tuple[str, str], ...] | None = None,
     profile_rounds: int | None = 5,
 ) -> dict[str, Any]:
     """The ``sglang`` section: :func:`bench_sglang_here` in a fresh interpreter of this Python,
     then (``profile_rounds`` rounds; None: not) :func:`bench_sglang_profiles_here` as ``profiles``.
+    ``timeout``: how long the child may run (None: 600 s, and 120 s more for each profile
+    round; a round takes about 30 s on a 2-core machine).
 
     A fresh process, so that the harness's process-wide torch function mode (its CUDA
     stand-ins) never slows the other sections. Where SGLang is not installed:
@@ -1174,6 +1176,8 @@ def bench_sglang(
         return {"available": False, "reason": reason}
     from hicache_obs.lab.sglang.harness import sglang_version
 
+    if timeout is None:
+        timeout = 600.0 + 120.0 * (profile_rounds or 0)
     params: dict[str, Any] = {"nodes": nodes, "batch": batch, "rounds": rounds, "slices": slices, "threads": threads}
     if profile_rounds is not None:
         params["profiles"] = {"rounds": profile_rounds}

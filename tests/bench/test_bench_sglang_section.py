@@ -57,6 +57,25 @@ def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) ->
     assert "io_backend must be 'kernel' or 'direct', got 'bogus'" in out["error"]
 
 
+@pytest.mark.parametrize(("profile_rounds", "limit"), [(None, 600), (7, 1440), (45, 6000)])
+def test_the_child_may_run_longer_the_more_profile_rounds_it_has(
+    monkeypatch: pytest.MonkeyPatch, profile_rounds: int | None, limit: int
+) -> None:
+    import subprocess
+
+    monkeypatch.setattr(bench, "sglang_unavailable_reason", lambda python=None: None)
+    monkeypatch.setattr(harness, "sglang_version", lambda: "0.0.0")
+    given: list[float] = []
+
+    def run(*args: object, timeout: float, **kw: object) -> None:
+        given.append(timeout)
+        raise subprocess.TimeoutExpired("child", timeout)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    out = bench.bench_sglang(rounds=1, profile_rounds=profile_rounds)
+    assert given == [limit] and out["error"] == f"the SGLang bench ran past {limit} s"
+
+
 def test_line_of_a_measured_and_a_failed_section() -> None:
     from hicache_obs.lab.cli.bench import _sglang_line
 
