@@ -42,7 +42,8 @@ paged allocator slots (0.5.10,      ``--page-size`` above 1: the paged allocator
 
 The boot folder ``_cpu_boot/`` holds a ``sitecustomize`` that calls :func:`install` in
 every Python process started with ``HICACHE_OBS_SGLANG_CPU=1`` and that folder on
-``PYTHONPATH``; :func:`server_environment` returns such an environment.
+``PYTHONPATH`` (:func:`server_environment` returns such an environment), except
+``hicache-obs instrument`` (:func:`replaced_by_its_command`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BOOT_DIR", "ENABLE", "install", "server_environment", "STAND_INS"]
+__all__ = ["BOOT_DIR", "ENABLE", "install", "replaced_by_its_command", "server_environment", "STAND_INS"]
 
 ENABLE = "HICACHE_OBS_SGLANG_CPU"
 """The environment variable that switches :func:`install` on in the boot ``sitecustomize``."""
@@ -96,6 +97,19 @@ _BIND_AFTER = frozenset(
 )
 # module -> function that patches it right after it has run
 _AFTER: dict[str, Any] = {}
+
+
+def replaced_by_its_command(argv: list[str]) -> bool:
+    """Whether the process started as ``argv`` (``sys.orig_argv``) is ``hicache-obs instrument``
+    (``python -m hicache_obs instrument`` or the ``hicache-obs`` script): it runs nothing of
+    SGLang's and replaces itself with its COMMAND, whose processes boot with the stand-ins.
+    Putting them in place there first (torch, transformers and SGLang's kernels imported)
+    would add seconds to every instrumented server's start."""
+    rest = argv[1:]
+    if "-m" in rest:
+        i = rest.index("-m")
+        return rest[i + 1 : i + 3] == ["hicache_obs", "instrument"]
+    return len(rest) >= 2 and os.path.basename(rest[0]) == "hicache-obs" and rest[1] == "instrument"
 
 
 def server_environment(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """On ``PYTHONPATH`` of a test's SGLang server: the CPU stand-ins of
 :mod:`hicache_obs.lab.sglang.cpu_server` in every process started with
-``HICACHE_OBS_SGLANG_CPU=1``, then the ``sitecustomize`` this one shadows, if any."""
+``HICACHE_OBS_SGLANG_CPU=1`` (but ``hicache-obs instrument``, which replaces itself with its
+command), then the ``sitecustomize`` this one shadows, if any."""
 
 import importlib.machinery
 import importlib.util
@@ -10,9 +11,10 @@ import sys
 _here = os.path.dirname(os.path.abspath(__file__))
 
 if os.environ.get("HICACHE_OBS_SGLANG_CPU") == "1":
-    from hicache_obs.lab.sglang.cpu_server import install
+    from hicache_obs.lab.sglang.cpu_server import install, replaced_by_its_command
 
-    install()
+    if not replaced_by_its_command(list(sys.orig_argv)):
+        install()
 
 
 def _chain() -> None:
