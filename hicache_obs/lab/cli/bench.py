@@ -17,7 +17,8 @@ examples:
   hicache-obs bench --json > b.json  the full run as one JSON object
   hicache-obs bench --section events --json
   .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang
-  .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang --profile-rounds 45
+  .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang \\
+      --profile-rounds 45
 
 Every figure is a ratio of two things measured in the same process, interleaved
 round by round; the median of the per-round ratios is shown with its spread.
