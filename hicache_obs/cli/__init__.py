@@ -155,7 +155,10 @@ Run `hicache-obs COMMAND --help` for the options of each command.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command of :data:`COMMANDS`, or just ``only`` (what a
+    run of that command parses with: the others' options, and what they import to list them,
+    such as torch for the demo's, are not built)."""
     parser = argparse.ArgumentParser(
         prog="hicache-obs",
         description="A hierarchical KV-cache controller whose every state change is an event: "
@@ -165,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"hicache-obs {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in COMMANDS if only is None else (only,):
         importlib.import_module(_LAB_COMMANDS.get(name, f"{__name__}._{name}")).register(sub)
     return parser
 
@@ -184,9 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(given[0] if given and given[0] in COMMANDS else None)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(given)
     except SystemExit as exc:  # --help, --version, usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:

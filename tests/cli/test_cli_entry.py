@@ -59,6 +59,33 @@ def test_python_dash_m(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "demo" in proc.stdout and "audit" in proc.stdout
 
 
+def _imported(argv: list[str]) -> set[str]:
+    """The modules ``python -m hicache_obs ARGV`` imported (``-X importtime``, its own only)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "hicache_obs", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = {ln.rsplit("|", 1)[1].strip() for ln in proc.stderr.splitlines() if ln.startswith("import time:")}
+    assert "hicache_obs.cli" in got, proc.stderr[-2000:]
+    return got
+
+
+def test_commands_that_read_logs_or_launch_start_without_torch(tmp_path: Path) -> None:
+    """Only the command run builds its options: audit, inspect and export read logs, and
+    instrument replaces itself with its command; none of them imports torch (about a second)."""
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "events-0-00000.jsonl").write_text("")
+    for argv in (
+        ["audit", str(log)],
+        ["inspect", "--help"],
+        ["export", "--help"],
+        ["instrument", "--out", str(tmp_path / "obs"), "--", sys.executable, "-c", "pass"],
+    ):
+        assert "torch" not in _imported(argv), argv
+    assert "torch" in _imported(["demo", "--help"])  # its choices come from the controller's modules
+
+
 @pytest.mark.skipif(not VENV_CLI.exists(), reason="needs the console script in .venv (make venv)")
 def test_make_demo_runs_hicache_obs_demo(tmp_path: Path) -> None:
     out = tmp_path / "demo-out"
