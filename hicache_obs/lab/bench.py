@@ -1084,14 +1084,15 @@ def bench_sglang_profiles_here(
     }
     for name in SGLANG_PROFILES:
         mine = [r[0][name] for r in got]
-        ratio = ratio_of_times(mine, bare)
+        per_round = [m / b for m, b in zip(mine, bare)]
+        ratio = _ratio(per_round)
         per_op = [(i - b) / (ops_per_run * slices) * 1e6 for i, b in zip(mine, bare)]
         ev = [r[1][name] / r[2][name] for r in got if r[2][name]]
         host = [r[3][name] for r in got if name in r[3]]
         out[name] = {
             "controller_cpu_ratio": ratio.median,
             "controller_cpu_ratio_spread": [ratio.lo, ratio.hi],
-            "controller_cpu_ratio_rounds": [m / b for m, b in zip(mine, bare)],
+            "controller_cpu_ratio_rounds": per_round,
             "per_op_us": statistics.median(per_op),
             "per_op_us_spread": [min(per_op), max(per_op)],
             "events_per_op": statistics.median(ev) if ev else None,

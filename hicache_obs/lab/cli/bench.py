@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from hicache_obs.cli._common import EXIT_OK, formatter
+from hicache_obs.cli._common import EXIT_OK, CliError, formatter
 
 __all__ = ["register", "run"]
 
@@ -72,12 +72,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
 
     if args.threads < 0:
-        from hicache_obs.cli._common import CliError
-
         raise CliError(f"bench: --threads must be >= 0, got {args.threads}")
     if args.profile_rounds is not None and args.profile_rounds < 1:
-        from hicache_obs.cli._common import CliError
-
         raise CliError(f"bench: --profile-rounds must be >= 1, got {args.profile_rounds}")
     result = run_bench(
         quick=args.quick,
