@@ -22,6 +22,7 @@ import gc
 import io
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -162,116 +163,116 @@ def bench_events(n: int = 200_000, rounds: int = 5) -> dict[str, Any]:
 
     events = _sample_events(n)
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-"))
-    enc = msgspec.json.Encoder()
+    try:
+        enc = msgspec.json.Encoder()
 
-    def append() -> float:
-        log = EventLog(capacity=n)
-        sink: list[Any] = []
-        log.subscribe(sink.append)
-        emit = log.emit
-        t = _timed(
-            lambda: [
-                emit(SlotsFreed, pool="kv", tier="host", indices=((i, 16),), reason="evict", op=i) for i in range(n)
-            ]
-        )
-        return n / t
+        def append() -> float:
+            log = EventLog(capacity=n)
+            sink: list[Any] = []
+            log.subscribe(sink.append)
+            emit = log.emit
+            t = _timed(
+                lambda: [
+                    emit(SlotsFreed, pool="kv", tier="host", indices=((i, 16),), reason="evict", op=i) for i in range(n)
+                ]
+            )
+            return n / t
 
-    def append_floor() -> float:
-        def run() -> None:
-            out: list[Any] = []
-            add = out.append
-            for i in range(n):
-                add((i, 0, 0, "kv", "host", ((i, 16),), "evict", i))
+        def append_floor() -> float:
+            def run() -> None:
+                out: list[Any] = []
+                add = out.append
+                for i in range(n):
+                    add((i, 0, 0, "kv", "host", ((i, 16),), "evict", i))
 
-        return n / _timed(run)
+            return n / _timed(run)
 
-    counter = [0]
+        counter = [0]
 
-    def durable() -> float:
-        counter[0] += 1
-        d = tmp / f"store{counter[0]}"
-        store = JsonlStore(d, max_bytes=1 << 30)
+        def durable() -> float:
+            counter[0] += 1
+            d = tmp / f"store{counter[0]}"
+            store = JsonlStore(d, max_bytes=1 << 30)
 
-        def run() -> None:
-            for i in range(0, n, 4096):
-                store.handle_batch(events[i : i + 4096])
-            store.close()
-
-        return n / _timed(run)
-
-    def durable_floor() -> float:
-        counter[0] += 1
-        path = tmp / f"floor{counter[0]}.jsonl"
-
-        def run() -> None:
-            with open(path, "wb") as fh:
+            def run() -> None:
                 for i in range(0, n, 4096):
-                    fh.write(b"".join([enc.encode(e) + b"\n" for e in events[i : i + 4096]]))
+                    store.handle_batch(events[i : i + 4096])
+                store.close()
 
-        return n / _timed(run)
+            return n / _timed(run)
 
-    log_dir = tmp / "replay"
-    store = JsonlStore(log_dir, max_bytes=1 << 30)
-    store.handle_batch(events)
-    store.close()
-    raw = store.paths[0].read_bytes()
+        def durable_floor() -> float:
+            counter[0] += 1
+            path = tmp / f"floor{counter[0]}.jsonl"
 
-    def replay_audit() -> float:  # as `hicache-obs audit` does: audited as read, no event kept, no bookkeeping
-        def run() -> None:
-            replay(log_dir, audit=True, keep_events=False, states=False)
+            def run() -> None:
+                with open(path, "wb") as fh:
+                    for i in range(0, n, 4096):
+                        fh.write(b"".join([enc.encode(e) + b"\n" for e in events[i : i + 4096]]))
 
-        return n / _timed(run)
+            return n / _timed(run)
 
-    def replay_audit_retained() -> float:  # every event kept in memory (and freed after)
-        def run() -> None:
-            replay(log_dir, audit=True)
+        log_dir = tmp / "replay"
+        store = JsonlStore(log_dir, max_bytes=1 << 30)
+        store.handle_batch(events)
+        store.close()
+        raw = store.paths[0].read_bytes()
 
-        return n / _timed(run)
+        def replay_audit() -> float:  # as `hicache-obs audit` does: audited as read, no event kept, no bookkeeping
+            def run() -> None:
+                replay(log_dir, audit=True, keep_events=False, states=False)
 
-    def replay_floor() -> float:
-        dec = msgspec.json.Decoder()
+            return n / _timed(run)
 
-        def run() -> None:
-            decode = dec.decode
-            for line in raw.splitlines():
-                decode(line)
+        def replay_audit_retained() -> float:  # every event kept in memory (and freed after)
+            def run() -> None:
+                replay(log_dir, audit=True)
 
-        return n / _timed(run)
+            return n / _timed(run)
 
-    got = interleave(
-        {
-            "append": append,
-            "append_floor": append_floor,
-            "durable": durable,
-            "durable_floor": durable_floor,
-            "replay": replay_audit,
-            "replay_retained": replay_audit_retained,
-            "replay_floor": replay_floor,
-        },
-        rounds,
-    )
-    out: dict[str, Any] = {
-        "n_events": n,
-        "append_per_s": statistics.median(got["append"]),
-        "durable_per_s": statistics.median(got["durable"]),
-        "replay_audit_per_s": statistics.median(got["replay"]),
-        "replay_audit_retained_per_s": statistics.median(got["replay_retained"]),
-        "append_floor_per_s": statistics.median(got["append_floor"]),
-        "durable_floor_per_s": statistics.median(got["durable_floor"]),
-        "replay_floor_per_s": statistics.median(got["replay_floor"]),
-    }
-    for key, ours, ref in (
-        ("append_vs_floor", "append", "append_floor"),
-        ("durable_vs_floor", "durable", "durable_floor"),
-        ("replay_vs_floor", "replay", "replay_floor"),
-        ("replay_retained_vs_floor", "replay_retained", "replay_floor"),
-    ):
-        r = ratio_of_rates(got[ours], got[ref])
-        out[key] = r.median
-        out[key + "_spread"] = [r.lo, r.hi]
-    import shutil
+        def replay_floor() -> float:
+            dec = msgspec.json.Decoder()
 
-    shutil.rmtree(tmp, ignore_errors=True)
+            def run() -> None:
+                decode = dec.decode
+                for line in raw.splitlines():
+                    decode(line)
+
+            return n / _timed(run)
+
+        got = interleave(
+            {
+                "append": append,
+                "append_floor": append_floor,
+                "durable": durable,
+                "durable_floor": durable_floor,
+                "replay": replay_audit,
+                "replay_retained": replay_audit_retained,
+                "replay_floor": replay_floor,
+            },
+            rounds,
+        )
+        out: dict[str, Any] = {
+            "n_events": n,
+            "append_per_s": statistics.median(got["append"]),
+            "durable_per_s": statistics.median(got["durable"]),
+            "replay_audit_per_s": statistics.median(got["replay"]),
+            "replay_audit_retained_per_s": statistics.median(got["replay_retained"]),
+            "append_floor_per_s": statistics.median(got["append_floor"]),
+            "durable_floor_per_s": statistics.median(got["durable_floor"]),
+            "replay_floor_per_s": statistics.median(got["replay_floor"]),
+        }
+        for key, ours, ref in (
+            ("append_vs_floor", "append", "append_floor"),
+            ("durable_vs_floor", "durable", "durable_floor"),
+            ("replay_vs_floor", "replay", "replay_floor"),
+            ("replay_retained_vs_floor", "replay_retained", "replay_floor"),
+        ):
+            r = ratio_of_rates(got[ours], got[ref])
+            out[key] = r.median
+            out[key + "_spread"] = [r.lo, r.hi]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -476,71 +477,71 @@ def bench_overhead(
     from hicache_obs.lab.workload import Workload
 
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-"))
-    counter = [0]
-    ops = [0]
+    try:
+        counter = [0]
+        ops = [0]
 
-    def make(config: str, runtime: str) -> Callable[[], float]:
-        cfg, _, profile = config.partition("@")
+        def make(config: str, runtime: str) -> Callable[[], float]:
+            cfg, _, profile = config.partition("@")
 
-        def run() -> float:
-            counter[0] += 1
-            c, close = _observed_controller(cfg, runtime, tmp / str(counter[0]), profile or "audit")
-            w = Workload(c, seed=7)
+            def run() -> float:
+                counter[0] += 1
+                c, close = _observed_controller(cfg, runtime, tmp / str(counter[0]), profile or "audit")
+                w = Workload(c, seed=7)
 
-            def go() -> None:
-                w.run(steps)
-                close()  # flushing every sink is part of the cost
+                def go() -> None:
+                    w.run(steps)
+                    close()  # flushing every sink is part of the cost
 
-            t = _timed(go)
-            ops[0] = sum(c.state.completed.values()) + sum(c.state.failed.values())
-            return t
+                t = _timed(go)
+                ops[0] = sum(c.state.completed.values()) + sum(c.state.failed.values())
+                return t
 
-        return run
+            return run
 
-    for name in profiles:
-        if name not in OVERHEAD_PROFILES:
-            raise ValueError(f"bench_overhead: profile {name!r} is not one of {', '.join(OVERHEAD_PROFILES)}")
-    configs = list(CONFIGS) + [f"{cfg}@{name}" for name in profiles for cfg in PROFILE_CONFIGS]
-    out: dict[str, Any] = {"steps": steps, "runtimes": list(runtimes)}
-    per_runtime: dict[str, Any] = {}
-    all_ratios: dict[str, list[float]] = {k: [] for k in configs[1:]}
-    per_op: dict[str, list[float]] = {name: [] for name in ("audit", *profiles)}
-    for rt in runtimes:
-        fns = {cfg: make(cfg, rt) for cfg in configs}
-        fns["bare"]()  # warm up
-        got = interleave(fns, rounds)
-        res: dict[str, Any] = {"ops": ops[0], "bare_s": statistics.median(got["bare"])}
+        for name in profiles:
+            if name not in OVERHEAD_PROFILES:
+                raise ValueError(f"bench_overhead: profile {name!r} is not one of {', '.join(OVERHEAD_PROFILES)}")
+        configs = list(CONFIGS) + [f"{cfg}@{name}" for name in profiles for cfg in PROFILE_CONFIGS]
+        out: dict[str, Any] = {"steps": steps, "runtimes": list(runtimes)}
+        per_runtime: dict[str, Any] = {}
+        all_ratios: dict[str, list[float]] = {k: [] for k in configs[1:]}
+        per_op: dict[str, list[float]] = {name: [] for name in ("audit", *profiles)}
+        for rt in runtimes:
+            fns = {cfg: make(cfg, rt) for cfg in configs}
+            fns["bare"]()  # warm up
+            got = interleave(fns, rounds)
+            res: dict[str, Any] = {"ops": ops[0], "bare_s": statistics.median(got["bare"])}
+            for cfg in configs[1:]:
+                r = ratio_of_times(got[cfg], got["bare"])
+                res[f"{cfg}_ratio"] = r.median
+                res[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
+                all_ratios[cfg].extend(o / b for o, b in zip(got[cfg], got["bare"]))
+            for name in per_op:
+                a_cfg = "events_metrics" if name == "audit" else f"events_metrics@{name}"
+                diff = [(a - b) / max(1, ops[0]) * 1e6 for a, b in zip(got[a_cfg], got["bare"])]
+                per_op[name].extend(diff)
+                if name == "audit":
+                    res["per_op_overhead_us"] = statistics.median(diff)
+            per_runtime[rt] = res
+        by_profile: dict[str, dict[str, Any]] = {name: {} for name in per_op}
         for cfg in configs[1:]:
-            r = ratio_of_times(got[cfg], got["bare"])
-            res[f"{cfg}_ratio"] = r.median
-            res[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
-            all_ratios[cfg].extend(o / b for o, b in zip(got[cfg], got["bare"]))
-        for name in per_op:
-            a_cfg = "events_metrics" if name == "audit" else f"events_metrics@{name}"
-            diff = [(a - b) / max(1, ops[0]) * 1e6 for a, b in zip(got[a_cfg], got["bare"])]
-            per_op[name].extend(diff)
-            if name == "audit":
-                res["per_op_overhead_us"] = statistics.median(diff)
-        per_runtime[rt] = res
-    by_profile: dict[str, dict[str, Any]] = {name: {} for name in per_op}
-    for cfg in configs[1:]:
-        r = _ratio(all_ratios[cfg])
-        base, _, name = cfg.partition("@")
-        if not name:
-            out[f"{cfg}_ratio"] = r.median
-            out[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
-            if base not in PROFILE_CONFIGS:
-                continue
-        by_profile[name or "audit"][f"{base}_ratio"] = r.median
-        by_profile[name or "audit"][f"{base}_ratio_spread"] = [r.lo, r.hi]
-    for name, diffs in per_op.items():
-        by_profile[name]["per_op_overhead_us"] = statistics.median(diffs)
-    out["per_op_overhead_us"] = by_profile["audit"]["per_op_overhead_us"]
-    out["profiles"] = by_profile
-    out["by_runtime"] = per_runtime
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
+            r = _ratio(all_ratios[cfg])
+            base, _, name = cfg.partition("@")
+            if not name:
+                out[f"{cfg}_ratio"] = r.median
+                out[f"{cfg}_ratio_spread"] = [r.lo, r.hi]
+                if base not in PROFILE_CONFIGS:
+                    continue
+            by_profile[name or "audit"][f"{base}_ratio"] = r.median
+            by_profile[name or "audit"][f"{base}_ratio_spread"] = [r.lo, r.hi]
+        for name, diffs in per_op.items():
+            by_profile[name]["per_op_overhead_us"] = statistics.median(diffs)
+        out["per_op_overhead_us"] = by_profile["audit"]["per_op_overhead_us"]
+        out["profiles"] = by_profile
+        out["by_runtime"] = per_runtime
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -698,122 +699,122 @@ def bench_sglang_here(
     plan = _sglang_plan(nodes, spec.page_size)
     device_size = 4 * spec.page_size * batch * 2  # a batch of the largest nodes, twice over
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-sglang-"))
-    counter = [0]
-    tried: list[str] = []
-    h: Any = None
-    for io_backend, layout in backends:
-        try:
-            h = build_controller(
-                spec, io_backend=io_backend, layout=layout, device_size=device_size, host_ratio=2.0, device=device
-            )
-        except LayoutRefused as exc:  # the release's Mamba host pool takes other layouts
-            tried.append(f"{io_backend}/{layout}: {exc}")
-            h = None
-            continue
-        free = _sglang_free(h)
-        try:
-            sglang_workload(h, plan[:batch], batch)  # the release runs this path at all
-            _sglang_check_idle(h, free, f"{io_backend}/{layout}")
-        except Exception as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            tried.append(f"{io_backend}/{h.layout}: {type(exc).__name__}: {first}")  # and the next backend
-            h.close()
-            h = None
-            continue
-        break
-    if h is None:
-        raise RuntimeError("sglang bench: no io backend runs the workload: " + "; ".join(tried))
-    harness = h
-
-    def run(name: str, fn: Callable[[], Any], wall: dict[str, float], cpu: dict[str, float]) -> None:
-        c0, t0 = time.thread_time(), time.perf_counter()
-        fn()
-        wall[name] += time.perf_counter() - t0
-        cpu[name] += time.thread_time() - c0
-
-    def one_round() -> tuple[dict[str, float], dict[str, float]]:
-        """``slices`` bare, instrumented and in-process runs of the plan, rotating; their total times."""
-        wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
-        cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
-        counter[0] += 1
-        in_process_events[0] = 0
-        floor_events[0] = 0
-        flush_s[0] = 0.0
-        out_dir = tmp / str(counter[0])
-        out_dir.mkdir()
-        log = EventLog(capacity=100_000)
-        add_sink_host(log, _sglang_sink_specs(out_dir))
-        # each slice runs the four in one of the orders, in turn: over a round's four slices each
-        # comes first, and right after each of the others, once (what one run leaves behind, a
-        # sink host still busy or the caches, falls on every kind of run alike)
-        names = [name for s in range(slices) for name in _ORDERS[(counter[0] + s) % len(_ORDERS)]]
-        try:
-            for name in names:
-                gc.collect()
-                if name == "bare":
-                    run("bare", lambda: sglang_workload(harness, plan, batch), wall, cpu)
-                    _sglang_check_idle(harness, free, "bare")
-                    continue
-                # in_process: the same instrumentation into a log of this process with no sinks
-                # (what the adapter and the log cost, without the sink host's share); floor: the
-                # same hooks emitting constant events into such a log (nothing read)
-                into = log if name == "instrumented" else EventLog(capacity=100_000)
-                attach = instrument_floor if name == "floor" else instrument
-                inst = attach(harness.controller, log=into)  # attached and detached untimed
-                try:
-
-                    def go(into: EventLog = into) -> None:
-                        sglang_workload(harness, plan, batch)
-                        f0 = time.perf_counter()
-                        into.flush()  # the sink host (if any) handled every event of this run
-                        if into is log:
-                            flush_s[0] += time.perf_counter() - f0
-
-                    run(name, go, wall, cpu)
-                finally:
-                    inst.detach()
-                    if into is not log:
-                        (floor_events if name == "floor" else in_process_events)[0] += into.published
-                        into.close()
-                if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
-                    raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
-                _sglang_check_idle(harness, free, name)
-            run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
-        finally:
-            log.close()
-        per_event = _sink_host_cpu_us_per_event(log, "sglang bench")
-        if per_event is not None:
-            host_cpu_per_event.append(per_event)
-        flush_per_run.append(flush_s[0] / slices)
-        events[0] = log.published
-        return wall, cpu
-
-    events = [0]
-    in_process_events = [0]
-    floor_events = [0]
-    flush_s = [0.0]  # the round's waits for the sink host at the end of its instrumented runs
-    flush_per_run: list[float] = []
-    host_cpu_per_event: list[float] = []
-    ops = 2 * len(plan) * slices  # per round and side
-    got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
-    got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
-    gc.collect()
-    gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
     try:
-        one_round()  # warm up both (first calls, the adapter's first instrumentation)
-        flush_per_run.clear()
-        host_cpu_per_event.clear()
-        for _ in range(rounds):
-            wall, cpu = one_round()
-            for name in got:
-                got[name].append(wall[name])
-                got_cpu[name].append(cpu[name])
-    finally:
-        gc.unfreeze()
-        harness.close()
-    import shutil
+        counter = [0]
+        tried: list[str] = []
+        h: Any = None
+        for io_backend, layout in backends:
+            try:
+                h = build_controller(
+                    spec, io_backend=io_backend, layout=layout, device_size=device_size, host_ratio=2.0, device=device
+                )
+            except LayoutRefused as exc:  # the release's Mamba host pool takes other layouts
+                tried.append(f"{io_backend}/{layout}: {exc}")
+                h = None
+                continue
+            free = _sglang_free(h)
+            try:
+                sglang_workload(h, plan[:batch], batch)  # the release runs this path at all
+                _sglang_check_idle(h, free, f"{io_backend}/{layout}")
+            except Exception as exc:
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                tried.append(f"{io_backend}/{h.layout}: {type(exc).__name__}: {first}")  # and the next backend
+                h.close()
+                h = None
+                continue
+            break
+        if h is None:
+            raise RuntimeError("sglang bench: no io backend runs the workload: " + "; ".join(tried))
+        harness = h
 
-    shutil.rmtree(tmp, ignore_errors=True)
+        def run(name: str, fn: Callable[[], Any], wall: dict[str, float], cpu: dict[str, float]) -> None:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fn()
+            wall[name] += time.perf_counter() - t0
+            cpu[name] += time.thread_time() - c0
+
+        def one_round() -> tuple[dict[str, float], dict[str, float]]:
+            """``slices`` bare, instrumented and in-process runs of the plan, rotating; their total times."""
+            wall = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
+            cpu = {"bare": 0.0, "instrumented": 0.0, "in_process": 0.0, "floor": 0.0}
+            counter[0] += 1
+            in_process_events[0] = 0
+            floor_events[0] = 0
+            flush_s[0] = 0.0
+            out_dir = tmp / str(counter[0])
+            out_dir.mkdir()
+            log = EventLog(capacity=100_000)
+            add_sink_host(log, _sglang_sink_specs(out_dir))
+            # each slice runs the four in one of the orders, in turn: over a round's four slices each
+            # comes first, and right after each of the others, once (what one run leaves behind, a
+            # sink host still busy or the caches, falls on every kind of run alike)
+            names = [name for s in range(slices) for name in _ORDERS[(counter[0] + s) % len(_ORDERS)]]
+            try:
+                for name in names:
+                    gc.collect()
+                    if name == "bare":
+                        run("bare", lambda: sglang_workload(harness, plan, batch), wall, cpu)
+                        _sglang_check_idle(harness, free, "bare")
+                        continue
+                    # in_process: the same instrumentation into a log of this process with no sinks
+                    # (what the adapter and the log cost, without the sink host's share); floor: the
+                    # same hooks emitting constant events into such a log (nothing read)
+                    into = log if name == "instrumented" else EventLog(capacity=100_000)
+                    attach = instrument_floor if name == "floor" else instrument
+                    inst = attach(harness.controller, log=into)  # attached and detached untimed
+                    try:
+
+                        def go(into: EventLog = into) -> None:
+                            sglang_workload(harness, plan, batch)
+                            f0 = time.perf_counter()
+                            into.flush()  # the sink host (if any) handled every event of this run
+                            if into is log:
+                                flush_s[0] += time.perf_counter() - f0
+
+                        run(name, go, wall, cpu)
+                    finally:
+                        inst.detach()
+                        if into is not log:
+                            (floor_events if name == "floor" else in_process_events)[0] += into.published
+                            into.close()
+                    if getattr(inst, "errors", 0):  # an observation that failed was cheaper than one made
+                        raise RuntimeError(f"sglang bench: the instrumentation failed to observe {inst.errors} steps")
+                    _sglang_check_idle(harness, free, name)
+                run("instrumented", log.close, wall, cpu)  # closing every sink is part of the cost
+            finally:
+                log.close()
+            per_event = _sink_host_cpu_us_per_event(log, "sglang bench")
+            if per_event is not None:
+                host_cpu_per_event.append(per_event)
+            flush_per_run.append(flush_s[0] / slices)
+            events[0] = log.published
+            return wall, cpu
+
+        events = [0]
+        in_process_events = [0]
+        floor_events = [0]
+        flush_s = [0.0]  # the round's waits for the sink host at the end of its instrumented runs
+        flush_per_run: list[float] = []
+        host_cpu_per_event: list[float] = []
+        ops = 2 * len(plan) * slices  # per round and side
+        got: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
+        got_cpu: dict[str, list[float]] = {"bare": [], "instrumented": [], "in_process": [], "floor": []}
+        gc.collect()
+        gc.freeze()  # SGLang's and torch's objects: out of every collection the rounds trigger
+        try:
+            one_round()  # warm up both (first calls, the adapter's first instrumentation)
+            flush_per_run.clear()
+            host_cpu_per_event.clear()
+            for _ in range(rounds):
+                wall, cpu = one_round()
+                for name in got:
+                    got[name].append(wall[name])
+                    got_cpu[name].append(cpu[name])
+        finally:
+            gc.unfreeze()
+            harness.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     r = ratio_of_times(got["instrumented"], got["bare"])
     per_op = [(i - b) / ops * 1e6 for i, b in zip(got["instrumented"], got["bare"])]
     ratios = sorted(i / b for i, b in zip(got["instrumented"], got["bare"]))
@@ -948,121 +949,122 @@ def bench_sglang_profiles_here(
     spec = ModelSpec.tiny_hybrid()
     plan = _conversation_plan(turns, conversations, spec.page_size)
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-profiles-"))
-    kinds = ("bare", *SGLANG_PROFILES)
-    orders = [kinds[i:] + kinds[:i] for i in range(len(kinds))]
+    try:
+        kinds = ("bare", *SGLANG_PROFILES)
+        orders = [kinds[i:] + kinds[:i] for i in range(len(kinds))]
 
-    def build(io_backend: str, layout: str) -> Any:
-        th = build_hybrid_tree(
-            spec, io_backend=io_backend, layout=layout, write_policy="write_through",
-            device_size=24 * spec.page_size, host_ratio=4.0,
-        )  # fmt: skip
-        th.without_data()
-        return th
+        def build(io_backend: str, layout: str) -> Any:
+            th = build_hybrid_tree(
+                spec, io_backend=io_backend, layout=layout, write_policy="write_through",
+                device_size=24 * spec.page_size, host_ratio=4.0,
+            )  # fmt: skip
+            th.without_data()
+            return th
 
-    with cuda_semantics(worker=True):
-        tried: list[str] = []
-        chosen: tuple[str, str] | None = None
-        for io_backend, layout in backends:
-            try:
-                th = build(io_backend, layout)
-                for toks in plan[:8]:
+        with cuda_semantics(worker=True):
+            tried: list[str] = []
+            chosen: tuple[str, str] | None = None
+            for io_backend, layout in backends:
+                try:
+                    th = build(io_backend, layout)
+                    for toks in plan[:8]:
+                        th.serve(toks)
+                    torch.cpu.synchronize()
+                    th.step()
+                except (LayoutRefused, RuntimeError) as exc:
+                    first = str(exc).splitlines()[0] if str(exc) else ""
+                    tried.append(f"{io_backend}/{layout}: {type(exc).__name__}: {first}")
+                    while True:  # what that tree queued runs (and fails) before the next one starts
+                        try:
+                            torch.cpu.synchronize()
+                            break
+                        except RuntimeError:
+                            continue
+                    continue
+                chosen = (io_backend, th.harness.layout)  # the layout SGLang took (direct: page_first_direct)
+                tree_name = type(th.tree).__name__
+                th.harness.close()
+                break
+            if chosen is None:
+                raise RuntimeError("sglang profiles bench: no io backend serves the plan: " + "; ".join(tried))
+
+            def fresh() -> Any:
+                return build(*chosen)
+
+            def serve_all(th: Any) -> None:
+                sync = torch.cpu.synchronize
+                for toks in plan:
+                    sync()  # the copies queued so far have run: the same work in every run
                     th.serve(toks)
-                torch.cpu.synchronize()
+                sync()
                 th.step()
-            except (LayoutRefused, RuntimeError) as exc:
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                tried.append(f"{io_backend}/{layout}: {type(exc).__name__}: {first}")
-                while True:  # what that tree queued runs (and fails) before the next one starts
-                    try:
-                        torch.cpu.synchronize()
-                        break
-                    except RuntimeError:
-                        continue
-                continue
-            chosen = (io_backend, th.harness.layout)  # the layout SGLang took (direct: page_first_direct)
-            tree_name = type(th.tree).__name__
-            th.harness.close()
-            break
-        if chosen is None:
-            raise RuntimeError("sglang profiles bench: no io backend serves the plan: " + "; ".join(tried))
 
-        def fresh() -> Any:
-            return build(*chosen)
+            counter = [0]
 
-        def serve_all(th: Any) -> None:
-            sync = torch.cpu.synchronize
-            for toks in plan:
-                sync()  # the copies queued so far have run: the same work in every run
-                th.serve(toks)
-            sync()
-            th.step()
-
-        counter = [0]
-
-        def one_round() -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]:
-            counter[0] += 1
-            cpu = dict.fromkeys(kinds, 0.0)
-            events = dict.fromkeys(SGLANG_PROFILES, 0)
-            ops = dict.fromkeys(SGLANG_PROFILES, 0)
-            logs: dict[str, EventLog] = {}
-            for name in SGLANG_PROFILES:
-                out_dir = tmp / f"{counter[0]}-{name}"
-                out_dir.mkdir()
-                logs[name] = EventLog(capacity=1_000_000)
-                add_sink_host(logs[name], _sglang_sink_specs(out_dir))
-            try:
-                for sl in range(slices):
-                    for name in orders[(counter[0] + sl) % len(orders)]:
-                        th = fresh()
-                        gc.collect()
-                        inst = None
-                        if name != "bare":
-                            log = logs[name]
-                            first = log.published
-                            share = audit_sample if name == "sampling" else None
-                            inst = instrument(th.controller, log=log, profile=name, audit_sample=share)
-                        c0 = time.thread_time()
-                        serve_all(th)
-                        if inst is not None:
-                            served = logs[name].published  # the events of serving (detach logs one more)
-                            inst.detach()
-                            logs[name].flush()  # the sink host handled all of it
-                        cpu[name] += time.thread_time() - c0
-                        if inst is not None:
-                            if inst.errors:
-                                raise RuntimeError(f"sglang profiles bench: {inst.errors} steps not observed")
-                            got = logs[name].events()[first:served]  # this run's (the log keeps every event)
-                            events[name] += len(got)
-                            ops[name] += sum(
-                                len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued for e in got
-                            )
-                        th.harness.close()
+            def one_round() -> tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]:
+                counter[0] += 1
+                cpu = dict.fromkeys(kinds, 0.0)
+                events = dict.fromkeys(SGLANG_PROFILES, 0)
+                ops = dict.fromkeys(SGLANG_PROFILES, 0)
+                logs: dict[str, EventLog] = {}
                 for name in SGLANG_PROFILES:
-                    c0 = time.thread_time()
-                    logs[name].close()  # closing every sink is part of the cost
-                    cpu[name] += time.thread_time() - c0
+                    out_dir = tmp / f"{counter[0]}-{name}"
+                    out_dir.mkdir()
+                    logs[name] = EventLog(capacity=1_000_000)
+                    add_sink_host(logs[name], _sglang_sink_specs(out_dir))
+                try:
+                    for sl in range(slices):
+                        for name in orders[(counter[0] + sl) % len(orders)]:
+                            th = fresh()
+                            gc.collect()
+                            inst = None
+                            if name != "bare":
+                                log = logs[name]
+                                first = log.published
+                                share = audit_sample if name == "sampling" else None
+                                inst = instrument(th.controller, log=log, profile=name, audit_sample=share)
+                            c0 = time.thread_time()
+                            serve_all(th)
+                            if inst is not None:
+                                served = logs[name].published  # the events of serving (detach logs one more)
+                                inst.detach()
+                                logs[name].flush()  # the sink host handled all of it
+                            cpu[name] += time.thread_time() - c0
+                            if inst is not None:
+                                if inst.errors:
+                                    raise RuntimeError(f"sglang profiles bench: {inst.errors} steps not observed")
+                                got = logs[name].events()[first:served]  # this run's (the log keeps every event)
+                                events[name] += len(got)
+                                ops[name] += sum(
+                                    len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued
+                                    for e in got
+                                )
+                            th.harness.close()
+                    for name in SGLANG_PROFILES:
+                        c0 = time.thread_time()
+                        logs[name].close()  # closing every sink is part of the cost
+                        cpu[name] += time.thread_time() - c0
+                finally:
+                    for log in logs.values():
+                        log.close()
+                host = {}
+                for name, log in logs.items():
+                    per_event = _sink_host_cpu_us_per_event(log, "sglang profiles bench")
+                    if per_event is not None:
+                        host[name] = per_event
+                return cpu, events, ops, host
+
+            gc.collect()
+            gc.freeze()
+            try:
+                one_round()  # warm up
+                got: list[tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]] = [
+                    one_round() for _ in range(rounds)
+                ]
             finally:
-                for log in logs.values():
-                    log.close()
-            host = {}
-            for name, log in logs.items():
-                per_event = _sink_host_cpu_us_per_event(log, "sglang profiles bench")
-                if per_event is not None:
-                    host[name] = per_event
-            return cpu, events, ops, host
-
-        gc.collect()
-        gc.freeze()
-        try:
-            one_round()  # warm up
-            got: list[tuple[dict[str, float], dict[str, int], dict[str, int], dict[str, float]]] = [
-                one_round() for _ in range(rounds)
-            ]
-        finally:
-            gc.unfreeze()
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
+                gc.unfreeze()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     first_ops = got[0][2]
     if len(set(first_ops.values())) != 1:
         raise RuntimeError(f"sglang profiles bench: the profiles' runs queued different operations: {first_ops}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from hicache_obs.cli import main
@@ -77,10 +80,13 @@ def test_events_section_reports_both_replays_against_the_floor(capsys: pytest.Ca
     assert "replay + audit keeping every event in memory" in capsys.readouterr().out
 
 
-def test_overhead_section_measures_every_profile_of_our_controller() -> None:
+def test_overhead_section_measures_every_profile_of_our_controller(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from hicache_obs.lab.bench import bench_overhead
     from hicache_obs.lab.cli.bench import _overhead_profiles_line
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the section's scratch folder goes
     out = bench_overhead(steps=20, rounds=1, runtimes=("sim",))
     assert set(out["profiles"]) == {"audit", "metrics", "sampling"}
     for name, got in out["profiles"].items():
@@ -96,6 +102,7 @@ def test_overhead_section_measures_every_profile_of_our_controller() -> None:
     assert "; metrics " in line and "; sampling " in line and line.count(" us an op") == 3
     with pytest.raises(ValueError, match="profile 'audit' is not one of metrics, sampling"):
         bench_overhead(steps=1, rounds=1, runtimes=("sim",), profiles=("audit",))
+    assert list(tmp_path.iterdir()) == []  # removed after a measure and after a refusal
 
 
 def test_a_difference_of_ratios_is_taken_round_by_round() -> None:

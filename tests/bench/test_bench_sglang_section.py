@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -46,8 +48,10 @@ def test_text_says_so_in_one_line(no_sglang: None, capsys: pytest.CaptureFixture
     assert len(lines) == 1 and lines[0].startswith("sglang: not measured: SGLang is not installed"), out
 
 
-def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # SGLang "present"; the child refuses the backend before it imports SGLang: the bench says why
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's scratch folder
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the parent's
     monkeypatch.setattr(bench, "sglang_unavailable_reason", lambda python=None: None)
     monkeypatch.setattr(harness, "sglang_version", lambda: "0.0.0")
     out = bench.bench_sglang(nodes=2, batch=2, rounds=1, timeout=120, backends=(("bogus", "page_first"),))
@@ -55,6 +59,7 @@ def test_a_failed_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) ->
     assert out["available"] is True and out["release"] == "0.0.0"
     assert out["error"].startswith("the SGLang bench exited 1: ")
     assert "io_backend must be 'kernel' or 'direct', got 'bogus'" in out["error"]
+    assert list(tmp_path.iterdir()) == []  # neither process left its scratch folder behind
 
 
 @pytest.mark.parametrize(("profile_rounds", "limit"), [(None, 600), (7, 1440), (45, 6000)])
