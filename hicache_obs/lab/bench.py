@@ -556,11 +556,23 @@ def _sglang_sink_specs(out_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
-#: The orders of a round's slices: bare, instrumented, in-process and floor runs as the rows of
-#: a balanced Latin square: over four slices each kind runs once in each place, and each kind
-#: runs right after each other kind once.
+#: The rows of a balanced Latin square of four: over four rows each of four kinds runs once in
+#: each place, and right after each other kind once.
+_BALANCED_4 = ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))
+
+#: The orders of a round's slices: bare, instrumented, in-process and floor runs.
 _KINDS = ("bare", "instrumented", "in_process", "floor")
-_ORDERS = tuple(tuple(_KINDS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)))
+_ORDERS = tuple(tuple(_KINDS[i] for i in row) for row in _BALANCED_4)
+
+
+def turn_orders(kinds: tuple[str, ...], turns: int, start: int = 0) -> list[tuple[str, ...]]:
+    """The order in which each of ``turns`` turns runs the four ``kinds``: the rows of a balanced
+    Latin square in turn, from row ``start`` (mod 4). Over any four turns in a row each kind
+    runs once in each place, and right after each other kind once."""
+    if len(kinds) != len(_BALANCED_4):
+        raise ValueError(f"turn_orders: takes {len(_BALANCED_4)} kinds, got {len(kinds)}: {kinds}")
+    return [tuple(kinds[i] for i in _BALANCED_4[(start + t) % len(_BALANCED_4)]) for t in range(turns)]
+
 
 #: (io backend, host layout) tried in order: the first whose warm-up runs is measured.
 #: 0.5.10's kernel path refuses the hybrid model's Mamba host indices (they are never
@@ -925,10 +937,12 @@ def bench_sglang_profiles_here(
     step starts once the copies queued so far have run (a GPU's copies of this size finish
     within a step), so every run does the same work.
 
-    A round runs ``slices`` times each of: the bare tree, and the tree instrumented with each
-    profile of :data:`SGLANG_PROFILES` (``sampling`` at ``audit_sample``) into a log whose
-    auditor, Prometheus and structlog sinks run in a sink host, in rotating orders; each run on
-    a tree built for it (untimed). Per profile: ``controller_cpu_ratio``, the controller
+    A round serves the plan ``slices`` times, each time on four trees built for it (untimed): a
+    bare one, and one instrumented with each profile of :data:`SGLANG_PROFILES` (``sampling``
+    at ``audit_sample``) into a log whose auditor, Prometheus and structlog sinks run in a sink
+    host. Each turn of the plan runs on all four before the next turn starts, in the orders of
+    :func:`turn_orders`, and only the turns themselves are timed: the machine's drift between
+    runs a second apart cancels out of every ratio. Per profile: ``controller_cpu_ratio``, the controller
     thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
     (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
     host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
@@ -951,7 +965,6 @@ def bench_sglang_profiles_here(
     tmp = Path(tempfile.mkdtemp(prefix="hicache-bench-profiles-"))
     try:
         kinds = ("bare", *SGLANG_PROFILES)
-        orders = [kinds[i:] + kinds[:i] for i in range(len(kinds))]
 
         def build(io_backend: str, layout: str) -> Any:
             th = build_hybrid_tree(
@@ -991,13 +1004,53 @@ def bench_sglang_profiles_here(
             def fresh() -> Any:
                 return build(*chosen)
 
-            def serve_all(th: Any) -> None:
+            def serve_interleaved(trees: dict[str, Any], orders: list[tuple[str, ...]], cpu: dict[str, float]) -> None:
+                """Each turn of the plan on every tree, in that turn's order; then each tree's last step."""
                 sync = torch.cpu.synchronize
-                for toks in plan:
-                    sync()  # the copies queued so far have run: the same work in every run
-                    th.serve(toks)
+                clock = time.thread_time
+                for toks, order in zip(plan, orders):
+                    for name in order:
+                        sync()  # the copies queued so far have run: the same work in every run
+                        c0 = clock()
+                        trees[name].serve(toks)
+                        cpu[name] += clock() - c0
+                for name in orders[len(plan)]:
+                    sync()
+                    c0 = clock()
+                    trees[name].step()
+                    cpu[name] += clock() - c0
                 sync()
-                th.step()
+
+            def one_pass(
+                trees: dict[str, Any],
+                logs: dict[str, EventLog],
+                cpu: dict[str, float],
+                events: dict[str, int],
+                ops: dict[str, int],
+                start: int,
+            ) -> None:
+                """The plan served once on ``trees`` (bare and one per profile), turn by turn."""
+                insts: dict[str, Any] = {}
+                first: dict[str, int] = {}
+                for name in SGLANG_PROFILES:
+                    first[name] = logs[name].published
+                    share = audit_sample if name == "sampling" else None
+                    insts[name] = instrument(trees[name].controller, log=logs[name], profile=name, audit_sample=share)
+                gc.collect()
+                serve_interleaved(trees, turn_orders(kinds, len(plan) + 1, start=start), cpu)
+                for name, inst in insts.items():
+                    c0 = time.thread_time()
+                    served = logs[name].published  # the events of serving (detach logs one more)
+                    inst.detach()
+                    logs[name].flush()  # the sink host handled all of it
+                    cpu[name] += time.thread_time() - c0
+                    if inst.errors:
+                        raise RuntimeError(f"sglang profiles bench: {inst.errors} steps not observed")
+                    got = logs[name].events()[first[name] : served]  # this pass's (the log keeps every event)
+                    events[name] += len(got)
+                    ops[name] += sum(
+                        len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued for e in got
+                    )
 
             counter = [0]
 
@@ -1014,32 +1067,14 @@ def bench_sglang_profiles_here(
                     add_sink_host(logs[name], _sglang_sink_specs(out_dir))
                 try:
                     for sl in range(slices):
-                        for name in orders[(counter[0] + sl) % len(orders)]:
-                            th = fresh()
-                            gc.collect()
-                            inst = None
-                            if name != "bare":
-                                log = logs[name]
-                                first = log.published
-                                share = audit_sample if name == "sampling" else None
-                                inst = instrument(th.controller, log=log, profile=name, audit_sample=share)
-                            c0 = time.thread_time()
-                            serve_all(th)
-                            if inst is not None:
-                                served = logs[name].published  # the events of serving (detach logs one more)
-                                inst.detach()
-                                logs[name].flush()  # the sink host handled all of it
-                            cpu[name] += time.thread_time() - c0
-                            if inst is not None:
-                                if inst.errors:
-                                    raise RuntimeError(f"sglang profiles bench: {inst.errors} steps not observed")
-                                got = logs[name].events()[first:served]  # this run's (the log keeps every event)
-                                events[name] += len(got)
-                                ops[name] += sum(
-                                    len(e.queued) if type(e) is OpsSubmitted else type(e) is OperationQueued
-                                    for e in got
-                                )
-                            th.harness.close()
+                        trees: dict[str, Any] = {}
+                        try:
+                            for name in kinds:
+                                trees[name] = fresh()
+                            one_pass(trees, logs, cpu, events, ops, start=counter[0] * slices + sl)
+                        finally:
+                            for th in trees.values():
+                                th.harness.close()
                     for name in SGLANG_PROFILES:
                         c0 = time.thread_time()
                         logs[name].close()  # closing every sink is part of the cost

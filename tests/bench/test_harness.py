@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_obs.lab.bench import Ratio, check_targets, interleave, ratio_of_rates, ratio_of_times
+from hicache_obs.lab.bench import Ratio, check_targets, interleave, ratio_of_rates, ratio_of_times, turn_orders
 
 
 def test_ratio_of_times_is_the_median_of_per_round_ratios() -> None:
@@ -42,6 +42,22 @@ def test_interleave_rotates_the_order_and_collects_every_round() -> None:
     got = interleave({"a": fn("a", 1.0), "b": fn("b", 2.0), "c": fn("c", 3.0)}, rounds=3)
     assert got == {"a": [1.0] * 3, "b": [2.0] * 3, "c": [3.0] * 3}
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_turn_orders_balance_place_and_succession_over_every_four_turns() -> None:
+    kinds = ("bare", "metrics", "audit", "sampling")
+    orders = turn_orders(kinds, 9, start=2)
+    assert len(orders) == 9 and all(sorted(o) == sorted(kinds) for o in orders)
+    for first in range(len(orders) - 3):  # any four turns in a row
+        window = orders[first : first + 4]
+        for place in range(4):
+            assert sorted(o[place] for o in window) == sorted(kinds), (first, place)
+        after = [(o[i], o[i + 1]) for o in window for i in range(3)]
+        assert len(set(after)) == 12, (first, after)  # each kind right after each other kind once
+    assert orders[:2] == turn_orders(kinds, 6, start=2)[:2] and orders[2] == turn_orders(kinds, 1, start=4)[0]
+    assert turn_orders(kinds, 1, start=5) == turn_orders(kinds, 1, start=1)  # the row is start mod 4
+    with pytest.raises(ValueError, match=r"takes 4 kinds, got 3: \('a', 'b', 'c'\)"):
+        turn_orders(("a", "b", "c"), 2)
 
 
 def test_check_targets_reads_dotted_keys_and_compares() -> None:
