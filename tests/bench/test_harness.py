@@ -74,3 +74,8 @@ def test_check_targets_reads_dotted_keys_and_compares() -> None:
     assert rows["data_path.page_first.ps16.write_vs_memcpy"]["met"] is True
     assert rows["events.durable_per_s"]["met"] is None  # not measured
     assert rows["overhead.events_metrics_ratio"]["target"] == "<= 1.05"
+    # within 0.01 either way: a sampling run far cheaper than metrics is not a target met
+    for diff, met in ((0.009, True), (-0.009, True), (0.011, False), (-0.02, False)):
+        row = {r["key"]: r for r in check_targets({"sglang": {"profiles": {"sampling_minus_metrics": diff}}})}
+        assert row["sglang.profiles.sampling_minus_metrics"]["met"] is met, diff
+        assert row["sglang.profiles.sampling_minus_metrics"]["target"] == "within 0.01"
