@@ -691,10 +691,13 @@ class _FreeList:
         if not given:
             return None
         p = self.page
-        if len(given) == 1 and (p == 1 or kind == "slots"):
+        if len(given) == 1:
             runs = facts.host_runs(given[0])
-            if runs is not None and (p == 1 or all(s % p == 0 and n % p == 0 for s, n in runs)):
-                return runs  # slots, or whole pages (the caller checks they are as many as freed)
+            if runs is not None:
+                if kind == "pages":  # page ids: the slots of each page
+                    return runs if p == 1 else tuple((s * p, n * p) for s, n in runs)
+                if p == 1 or all(s % p == 0 and n % p == 0 for s, n in runs):
+                    return runs  # slots, or whole pages (the caller checks they are as many as freed)
         values = np.concatenate([_values(t).reshape(-1) for t in given])
         if kind == "slots":
             values = np.unique(values // p)
