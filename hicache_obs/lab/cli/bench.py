@@ -18,7 +18,7 @@ examples:
   hicache-obs bench --section events --json
   .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang
   .sglang/0.5.23/bin/python -m hicache_obs bench --section sglang \\
-      --profile-rounds 45
+      --profile-rounds 15
 
 Every figure is a ratio of two things measured in the same process, interleaved
 round by round; the median of the per-round ratios is shown with its spread.
