@@ -942,8 +942,8 @@ def bench_sglang_profiles_here(
     at ``audit_sample``) into a log whose auditor, Prometheus and structlog sinks run in a sink
     host. Each turn of the plan runs on all four before the next turn starts, in the orders of
     :func:`turn_orders`, and only the turns themselves are timed: the machine's drift between
-    runs a second apart cancels out of every ratio. Per profile: ``controller_cpu_ratio``, the controller
-    thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
+    runs a second apart cancels out of every ratio. Per profile: ``controller_cpu_ratio``, the
+    controller thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
     (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
     host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
     ``controller_cpu_ratio_rounds``: each round's ratio. ``sampling_minus_metrics``: the median
