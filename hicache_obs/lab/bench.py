@@ -940,7 +940,8 @@ def bench_sglang_profiles_here(
     A round serves the plan ``slices`` times, each time on four trees built for it (untimed): a
     bare one, and one instrumented with each profile of :data:`SGLANG_PROFILES` (``sampling``
     at ``audit_sample``) into a log whose auditor, Prometheus and structlog sinks run in a sink
-    host. Each turn of the plan runs on all four before the next turn starts, in the orders of
+    host. Each is instrumented as on a GPU (:func:`~hicache_obs.lab.sglang.gpu_view.instrument_as_on_a_gpu`:
+    the device tiers unseen, though the harness keeps their free lists in host memory). Each turn of the plan runs on all four before the next turn starts, in the orders of
     :func:`turn_orders`, and only the turns themselves are timed: the machine's drift between
     runs a second apart cancels out of every ratio. Per profile: ``controller_cpu_ratio``, the
     controller thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
@@ -954,8 +955,8 @@ def bench_sglang_profiles_here(
     from hicache_obs.events._log import EventLog
     from hicache_obs.events._schema import OperationQueued, OpsSubmitted
     from hicache_obs.exporters.sinkhost import add_sink_host
-    from hicache_obs.integrations.sglang import instrument
     from hicache_obs.lab.sglang.deferred import cuda_semantics
+    from hicache_obs.lab.sglang.gpu_view import instrument_as_on_a_gpu
     from hicache_obs.lab.sglang.harness import LayoutRefused, prepare, sglang_version
     from hicache_obs.lab.sglang.tree import build_hybrid_tree
 
@@ -1035,7 +1036,9 @@ def bench_sglang_profiles_here(
                 for name in SGLANG_PROFILES:
                     first[name] = logs[name].published
                     share = audit_sample if name == "sampling" else None
-                    insts[name] = instrument(trees[name].controller, log=logs[name], profile=name, audit_sample=share)
+                    insts[name] = instrument_as_on_a_gpu(
+                        trees[name].controller, log=logs[name], profile=name, audit_sample=share
+                    )
                 gc.collect()
                 serve_interleaved(trees, turn_orders(kinds, len(plan) + 1, start=start), cpu)
                 for name, inst in insts.items():
@@ -1118,6 +1121,7 @@ def bench_sglang_profiles_here(
         "audit_sample": audit_sample,
         "bare_cpu_per_op_us": statistics.median(bare) / (ops_per_run * slices) * 1e6,
         "copies": "a worker thread of their own, run while the controller waits; each step after the last copies ran",
+        "device_tiers": "unseen, as on a GPU",
     }
     for name in SGLANG_PROFILES:
         mine = [r[0][name] for r in got]

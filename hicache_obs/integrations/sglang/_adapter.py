@@ -779,6 +779,12 @@ class Instrumentation:
         self._device = (dev if ":" in dev else f"{dev}:0") if dev.startswith(("cuda", "xpu")) else dev
         self._end = _EndState(self._make_event_setup())
 
+    @staticmethod
+    def _lists_in_device_memory(obj: Any) -> bool:
+        """Whether a device pool's allocator keeps its free lists in device memory (a GPU's),
+        where a read would sync: its tier is then left unseen (:attr:`unseen_slot_tiers`)."""
+        return _free_lists_on_device(obj)
+
     def _make_event_setup(self) -> tuple[Any, ...]:
         """What :func:`~hicache_obs._native.submission_event` reads besides the submission
         (made again when a sidecar pool joins: every op names it)."""
@@ -953,7 +959,7 @@ class Instrumentation:
             name = p.name
             self._slot_bytes[name] = int(getattr(p.host, "size_per_token", 0) or 0)
             for obj, tier in ((p.device, "device"), (p.host, "host")):
-                if tier == "device" and (_free_lists_on_device(obj) or _free_lists_elsewhere(obj)):
+                if tier == "device" and (self._lists_in_device_memory(obj) or _free_lists_elsewhere(obj)):
                     self._unseen.add((name, tier))
                     continue
                 cap, page = _capacity(obj, tier)

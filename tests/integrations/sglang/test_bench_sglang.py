@@ -63,6 +63,7 @@ def _check_profiles(pr: dict) -> None:  # type: ignore[type-arg]
         return
     assert pr["available"] is True and pr["release"] == RELEASE and pr["rounds"] == 1
     assert pr["ops_per_run"] > 20 and pr["bare_cpu_per_op_us"] > 0
+    assert pr["device_tiers"] == "unseen, as on a GPU"
     for name in ("metrics", "audit", "sampling"):
         p = pr[name]
         lo, hi = p["controller_cpu_ratio_spread"]
