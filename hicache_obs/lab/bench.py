@@ -940,16 +940,18 @@ def bench_sglang_profiles_here(
     A round serves the plan ``slices`` times, each time on four trees built for it (untimed): a
     bare one, and one instrumented with each profile of :data:`SGLANG_PROFILES` (``sampling``
     at ``audit_sample``) into a log whose auditor, Prometheus and structlog sinks run in a sink
-    host. Each is instrumented as on a GPU (:func:`~hicache_obs.lab.sglang.gpu_view.instrument_as_on_a_gpu`:
-    the device tiers unseen, though the harness keeps their free lists in host memory). Each turn of the plan runs on all four before the next turn starts, in the orders of
-    :func:`turn_orders`, and only the turns themselves are timed: the machine's drift between
-    runs a second apart cancels out of every ratio. Per profile: ``controller_cpu_ratio``, the
-    controller thread's CPU time instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
+    host. Each is instrumented as on a GPU
+    (:func:`~hicache_obs.lab.sglang.gpu_view.instrument_as_on_a_gpu`: the device tiers unseen,
+    though the harness keeps their free lists in host memory). Each turn of the plan runs on
+    all four before the next turn starts, in the orders of :func:`turn_orders`, and only the
+    turns themselves are timed: the machine's drift between runs a second apart cancels out of
+    every ratio. Per profile: ``controller_cpu_ratio``, the controller thread's CPU time
+    instrumented / bare (median of the rounds, ``_spread``), ``per_op_us``
     (what it adds per operation, writes plus loads queued), ``events_per_op`` and the sink
     host's CPU time per event it handled (``sink_host_cpu_us_per_event``, on its own core).
     ``controller_cpu_ratio_rounds``: each round's ratio. ``sampling_minus_metrics``: the median
     of the rounds' ``sampling`` ratio minus their ``metrics`` ratio (paired: both over the same
-    bare runs), with its spread.
+    bare turns), with its spread.
     """
     from hicache_obs.core._spec import ModelSpec
     from hicache_obs.events._log import EventLog

@@ -680,7 +680,10 @@ class _FreeList:
 
     def slot_runs(self, units: Any) -> Any:
         """Slot runs of an array of pages (or slots)."""
-        runs = runs_of(np.ascontiguousarray(units, dtype=np.int64))
+        return self._slots_of(runs_of(np.ascontiguousarray(units, dtype=np.int64)))
+
+    def _slots_of(self, runs: Any) -> Any:
+        """The slot runs of runs of pages (or slots)."""
         p = self.page
         return runs if p == 1 else tuple((s * p, n * p) for s, n in runs)
 
@@ -695,7 +698,7 @@ class _FreeList:
             runs = facts.host_runs(given[0])
             if runs is not None:
                 if kind == "pages":  # page ids: the slots of each page
-                    return runs if p == 1 else tuple((s * p, n * p) for s, n in runs)
+                    return self._slots_of(runs)
                 if p == 1 or all(s % p == 0 and n % p == 0 for s, n in runs):
                     return runs  # slots, or whole pages (the caller checks they are as many as freed)
         values = np.concatenate([_values(t).reshape(-1) for t in given])
